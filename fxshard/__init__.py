@@ -1,0 +1,12 @@
+"""fxshard: ZeRO-0/1/2/3 data parallelism for torch.compile, by FX graph passes.
+
+    backend = fxshard.backend(stage=3)
+    model, opt = backend.prepare(model, opt)
+    model = torch.compile(model, backend=backend)
+"""
+
+from .api import Backend, backend, default_passes
+from .errors import FxShardError
+from .ops import reduce_grad, unshard
+
+__all__ = ["Backend", "FxShardError", "backend", "default_passes", "reduce_grad", "unshard"]

@@ -1,0 +1,148 @@
+"""``fxshard.backend``: the object a user prepares a model with and hands to ``torch.compile``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import fx, nn
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from fxshard import passes as P
+from fxshard.passes import PassContext
+
+from .errors import FxShardError
+from .pipeline import GraphRecord, Pass, run_passes
+from .prepare import shard_optimizer_over, shard_parameters, spec_of
+
+STAGES = (0, 1, 2, 3)
+COMPILERS = ("eager", "inductor")
+
+
+def default_passes(stage: int = 3) -> list[Pass]:
+    """The pipeline a backend of this stage runs; copy it, add or drop passes, and pass it as ``passes=``."""
+    return [P.recompute_gathers_pass, P.lower_collectives_pass]
+
+
+class Backend:
+    """A Dynamo backend that compiles a prepared model's step with ZeRO collectives inserted by FX passes.
+
+    Use one backend per model: ``prepare`` shards the model over ``group`` (default: the world group), and every
+    graph Dynamo hands it is run through AOT autograd and the pass pipeline. ``graphs`` keeps each rewritten graph
+    with its pass-by-pass history; ``report()`` summarises the collectives.
+    """
+
+    def __init__(
+        self,
+        stage: int = 3,
+        *,
+        group=None,
+        passes: Sequence[Pass] | None = None,
+        compiler: str = "eager",
+        reshard_after_forward: bool = True,
+    ):
+        if stage not in STAGES:
+            raise FxShardError(f"stage must be one of 0, 1, 2, 3 (ZeRO stage), got {stage!r}")
+        if stage != 3:
+            raise FxShardError(f"stage {stage} is not available yet; use stage=3 (ZeRO-3 / FSDP)")
+        if compiler not in COMPILERS:
+            raise FxShardError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        self.stage = stage
+        self.group = group
+        self.passes = list(default_passes(stage) if passes is None else passes)
+        self.compiler = compiler
+        self.reshard_after_forward = reshard_after_forward
+        self.graphs: list[GraphRecord] = []
+        self._graph_ids = itertools.count()
+
+    # -- preparing ----------------------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        """Shard ``model``'s parameters over the group in place; returns ``(model, optimizer over the shards)``."""
+        if not isinstance(model, nn.Module):
+            raise FxShardError(f"prepare takes an nn.Module, got {type(model).__name__}")
+        shards = shard_parameters(model, self.group)
+        return model, None if optimizer is None else shard_optimizer_over(optimizer, shards)
+
+    # -- compiling ----------------------------------------------------------------------------------------------
+    def __call__(self, gm: fx.GraphModule, example_inputs, **_):
+        specs = self._check_inputs(example_inputs)
+        first = next(iter(specs), None)
+        context = PassContext(
+            stage=self.stage,
+            graph="joint",
+            world_size=first.world_size if first else 1,
+            group_name=first.group_name if first else "",
+            reshard_after_forward=self.reshard_after_forward,
+        )
+        graph_id = next(self._graph_ids)
+        compile_graph = functools.partial(self._compile_graph, context, graph_id)
+        kwargs = {}
+        if self.compiler == "inductor":
+            from torch._inductor.decomposition import select_decomp_table
+
+            kwargs["decompositions"] = select_decomp_table()
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=functools.partial(compile_graph, "forward"),
+            bw_compiler=functools.partial(compile_graph, "backward"),
+            inference_compiler=functools.partial(compile_graph, "inference"),
+            partition_fn=functools.partial(self._partition, context, graph_id),
+            **kwargs,
+        )
+
+    def _check_inputs(self, example_inputs) -> list:
+        specs = []
+        for value in example_inputs:
+            if not isinstance(value, nn.Parameter):
+                continue
+            spec = spec_of(value)
+            if spec is None:
+                raise FxShardError(
+                    f"the compiled code reads a parameter of shape {list(value.shape)} that fxshard did not shard: "
+                    "call `model, opt = backend.prepare(model, opt)` before torch.compile, and do not add or "
+                    "replace parameters after prepare"
+                )
+            specs.append(spec)
+        groups = {(s.group_name, s.world_size) for s in specs}
+        if len(groups) > 1:
+            raise FxShardError(f"one compiled graph reads shards of several process groups {sorted(groups)}; "
+                               "prepare the whole model with one backend")
+        return specs
+
+    def _run(self, context: PassContext, graph_id: int, kind: str, gm: fx.GraphModule) -> fx.GraphModule:
+        record = GraphRecord(kind, graph_id)
+        self.graphs.append(record)
+        return run_passes(gm, dataclasses.replace(context, graph=kind), self.passes, record)
+
+    def _partition(self, context, graph_id, joint: fx.GraphModule, joint_inputs, **kwargs):
+        joint = self._run(context, graph_id, "joint", joint)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def _compile_graph(self, context, graph_id, kind, gm: fx.GraphModule, example_inputs):
+        gm = self._run(context, graph_id, kind, gm)
+        if self.compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            return compile_fx_inner(gm, example_inputs)
+        return make_boxed_func(gm.forward)
+
+    # -- reporting ----------------------------------------------------------------------------------------------
+    def report(self) -> str:
+        from .report import collective_report
+
+        return collective_report(self.graphs)
+
+
+def backend(stage: int = 3, **options) -> Backend:
+    """``fxshard.backend(stage=3, **options)``: see ``Backend`` for the options."""
+    return Backend(stage, **options)
+
+
+def dynamo_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
+    """The registered ``torch.compile(model, backend="fxshard", options={...})`` entry point."""
+    return Backend(**(options or {}))(gm, example_inputs)

@@ -1,0 +1,43 @@
+"""The pass pipeline: run passes in order over one graph, keeping each pass's before/after graph."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from torch import fx
+
+from fxshard.passes import PassContext
+
+Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+
+
+@dataclasses.dataclass
+class PassRecord:
+    name: str
+    before: fx.GraphModule
+    after: fx.GraphModule
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """One graph the backend rewrote: its kind, the pass-by-pass history, and the final graph."""
+
+    kind: str
+    graph_id: int
+    passes: list[PassRecord] = dataclasses.field(default_factory=list)
+    final: fx.GraphModule | None = None
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], record: GraphRecord) -> fx.GraphModule:
+    for pass_fn in passes:
+        before = _copy(gm)
+        gm = pass_fn(gm, ctx)
+        record.passes.append(PassRecord(getattr(pass_fn, "__name__", repr(pass_fn)), before, _copy(gm)))
+    record.final = gm
+    return gm

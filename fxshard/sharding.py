@@ -1,0 +1,76 @@
+"""How one parameter is split over the ranks of a process group.
+
+fxshard shards every parameter FLAT: the parameter is flattened, zero-padded at the end to a multiple of the
+world size, and rank r keeps elements ``[r * chunk, (r + 1) * chunk)``. Why flat rather than FSDP2's dim-0
+``Shard(0)``:
+
+- every parameter of a unit concatenates into one flat buffer with no per-shape bookkeeping, so a unit's (or a
+  bucket's) all-gather and reduce-scatter are a single collective on a contiguous buffer;
+- padding is a tail of the last rank(s) only, of at most ``world_size - 1`` elements, whatever the shape (a
+  ``(3, 5)`` weight on 2 ranks pads 1 element, where dim-0 padding would pad a whole row of 5);
+- scalars and 1-element parameters shard like everything else.
+
+The cost: the shard is not a rectangular slice of the weight, so optimizers that look at a parameter's shape
+(Adafactor's factored moments, Muon's orthogonalisation) cannot run on it; ``prepare`` refuses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .errors import FxShardError
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """Where one parameter's shard sits: everything the marker ops and the passes need, all static ints/strs."""
+
+    name: str  # fully qualified name of the parameter (first owner, for tied parameters)
+    full_shape: tuple[int, ...]
+    world_size: int
+    rank: int
+    group_name: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.full_shape)
+
+    @property
+    def chunk(self) -> int:
+        return chunk_size(self.numel, self.world_size)
+
+    @property
+    def padding(self) -> int:
+        return self.chunk * self.world_size - self.numel
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.chunk,)
+
+
+def chunk_size(numel: int, world_size: int) -> int:
+    """Elements each rank keeps of a parameter with ``numel`` elements (the last ranks hold the padding)."""
+    return -(-numel // world_size)
+
+
+def shard_of(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's flat, padded shard of ``full`` (a new tensor; ``full`` is not kept alive)."""
+    if tuple(full.shape) != spec.full_shape:
+        raise FxShardError(
+            f"{spec.name}: expected a tensor of shape {list(spec.full_shape)}, got {list(full.shape)}; "
+            "load a state dict saved from the same model"
+        )
+    flat = full.detach().reshape(-1)
+    start = spec.rank * spec.chunk
+    shard = flat.new_zeros(spec.chunk)
+    mine = flat[start : min(start + spec.chunk, spec.numel)]
+    shard[: mine.numel()] = mine
+    return shard
+
+
+def unpad(gathered: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The full-shape parameter from the concatenation of all ranks' shards."""
+    return gathered[: spec.numel].view(spec.full_shape)

@@ -1,0 +1,36 @@
+"""recompute_gathers: make stage 3 gather weights again in backward instead of keeping them from forward.
+
+Assumes: the AOT joint graph (``ctx.graph == "joint"``), with ``fxshard.unshard`` markers whose inputs are shard
+placeholders.
+Guarantees: for stage 3 with ``reshard_after_forward``, every ``unshard`` marker, and every view of its output that
+backward reads, is tagged ``MUST_RECOMPUTE``, so the min-cut partitioner saves the (small) shard for backward and
+re-runs the marker there, never the full weight. Untagged, the partitioner saves the full weight: ZeRO-3 silently
+lost. Other stages and graphs are returned unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from fxshard.ops import UNSHARD
+
+from .context import PassContext
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def recompute_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if ctx.graph != "joint" or ctx.stage != 3 or not ctx.reshard_after_forward:
+        return gm
+    for node in gm.graph.find_nodes(op="call_function", target=UNSHARD):
+        pending = [node]
+        while pending:
+            tagged = pending.pop()
+            tagged.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            tagged.meta.setdefault("fxshard", {})["recompute"] = "regather in backward"
+            pending.extend(user for user in tagged.users if _is_view(user))
+    return gm
