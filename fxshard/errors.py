@@ -1,5 +1,15 @@
 """The one exception type fxshard raises for misuse."""
 
+from torch._dynamo.exc import ShortenTraceback
 
-class FxShardError(RuntimeError):
-    """A misuse of fxshard: the message says what happened and what to do instead."""
+
+class FxShardError(ShortenTraceback):
+    """A misuse of fxshard: the message says what happened and what to do instead.
+
+    It derives (through Dynamo's ``ShortenTraceback``) from ``RuntimeError``. The Dynamo base is what lets an error
+    raised while ``torch.compile`` runs the fxshard backend reach the user as itself rather than wrapped in
+    ``BackendCompilerFailed``.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(message, first_useful_frame=None)

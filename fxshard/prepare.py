@@ -10,6 +10,7 @@ shard read through two accessors. Buffers stay replicated.
 from __future__ import annotations
 
 import functools
+import inspect
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -136,7 +137,9 @@ def shard_optimizer_over(optimizer: torch.optim.Optimizer, shards: dict[int, nn.
                 f"(shapes {[list(p.shape) for p in missing][:3]}); build the optimizer over model.parameters()"
             )
         groups.append({**group, "params": [shards[id(p)] for p in group["params"]]})
-    sharded = type(optimizer)(groups, **optimizer.defaults)
+    # Every group carries all its hyperparameters; defaults go to the constructor as far as it names them.
+    accepted = inspect.signature(type(optimizer)).parameters
+    sharded = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
     for param, state in optimizer.state.items():
         shard = shards[id(param)]
         spec = _SHARD_SPECS[shard]

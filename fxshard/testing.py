@@ -1,0 +1,212 @@
+"""Testing helpers, public so that users lock in their own models' rewritten graphs the way fxshard's tests do.
+
+- ``graph_summary(gm)``: a compact, stable printout of a rewritten graph (one line per node: name, op, shape,
+  unit and role), without the process-group names and Python details that change between torch releases;
+- ``assert_graph_snapshot(gm, expected)``: expecttest's inline snapshot of that printout (``EXPECTTEST_ACCEPT=1``
+  rewrites the expected string in your test file);
+- ``fake_process_group(world_size)``: a single-process stand-in for a process group, so graphs of a world of any
+  size can be compiled and snapshotted in plain CI (numbers computed under it are meaningless);
+- ``WorkerPool``: long-lived gloo ranks that run test functions, reused across tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing
+import queue
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+           torch.int64: "i64", torch.int32: "i32", torch.bool: "b8"}
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{_DTYPES.get(value.dtype, str(value.dtype))}{list(value.shape)}".replace(" ", "")
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return "-" if value is None else str(value)
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op != "call_function":
+        return node.op
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        namespace = target.namespace.replace("_c10d_functional", "c10d")
+        return f"{namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+def _arg_names(node: fx.Node) -> str:
+    names = []
+    for arg in node.args:
+        if isinstance(arg, fx.Node):
+            names.append(arg.name)
+        elif isinstance(arg, (list, tuple)) and arg and all(isinstance(a, fx.Node) for a in arg):
+            names.append("[" + ", ".join(a.name for a in arg) + "]")
+    return ", ".join(names)
+
+
+def graph_summary(gm: fx.GraphModule | fx.Graph) -> str:
+    """One line per node: ``name = op(tensor args) -> dtype[shape]`` plus ``unit/role`` where fxshard acted.
+
+    The output line lists what the graph returns; in a forward graph, everything after the user outputs is saved
+    for backward, so a full-shape weight there means it was kept between forward and backward.
+    """
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    lines = []
+    for node in graph.nodes:
+        if node.op == "output":
+            outputs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+            rendered = [f"{o.name}:{_describe(o.meta.get('val'))}" if isinstance(o, fx.Node) else _describe(o) for o in outputs]
+            lines.append("return " + ", ".join(rendered))
+            continue
+        meta = node.meta.get("fxshard", {})
+        tag = f"  # {meta['unit']} {meta['role']}" if "role" in meta else ""
+        if meta.get("recompute"):
+            tag += "  # recomputed"
+        shape = _describe(node.meta.get("val"))
+        if node.op == "placeholder":
+            lines.append(f"{node.name}: {shape}")
+        else:
+            lines.append(f"{node.name} = {_target_name(node)}({_arg_names(node)}) -> {shape}{tag}")
+    return "\n".join(lines)
+
+
+def assert_graph_snapshot(gm: fx.GraphModule | fx.Graph, expected: str, *, skip: int = 0) -> None:
+    """Compare ``graph_summary(gm)`` with the inline string literal ``expected`` in the calling test.
+
+    Run the test with ``EXPECTTEST_ACCEPT=1`` to write (or update) the literal in place. ``skip`` counts stack
+    frames between the literal and this call when you wrap it in a helper of your own.
+    """
+    import expecttest
+
+    expecttest.assert_expected_inline(graph_summary(gm), expected, skip=skip + 1)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int = 2, rank: int = 0):
+    """A process group of ``world_size`` ranks that lives in this process alone and communicates nothing.
+
+    Enough to prepare a model and compile it (the collectives run but return garbage), so graph snapshots of a
+    world of any size run in single-process CI.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_process_group: a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    while (task := tasks.get()) is not None:
+        fn, args, kwargs = task
+        torch._dynamo.reset()
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # every failure must reach the test, never a hang
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerError(AssertionError):
+    """A function failed on one or more ranks of a WorkerPool; the message holds each rank's traceback."""
+
+
+class WorkerPool:
+    """``world_size`` spawned processes, each a rank of one gloo process group on 127.0.0.1, kept for many runs.
+
+    ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank (``fn`` must be importable: a module-level function)
+    and returns the results in rank order, or raises ``WorkerError`` with the ranks' tracebacks. A run that takes
+    longer than ``timeout_s`` (or ``grace_s`` after one rank failed) kills the pool (a hung collective never hangs the caller); the next run restarts it.
+    Dynamo's caches are reset before each run.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 300.0, grace_s: float = 20.0):
+        self.world_size, self.timeout_s, self.grace_s = world_size, timeout_s, grace_s
+        self._procs: list = []
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        port = _free_port()
+        self._results = context.Queue()
+        self._tasks = [context.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            context.Process(target=_worker, args=(rank, self.world_size, port, self._tasks[rank], self._results,
+                                                  self.timeout_s), daemon=True)
+            for rank in range(self.world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, fn, *args, **kwargs) -> list:
+        if not self._procs:
+            self._start()
+        for tasks in self._tasks:
+            tasks.put((fn, args, kwargs))
+        outcomes: dict[int, tuple[bool, object]] = {}
+        deadline = time.monotonic() + self.timeout_s
+        problem = None
+        while len(outcomes) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=1)
+                outcomes[rank] = (ok, value)
+                if not ok:  # the other ranks may now wait in a collective forever: give them a short grace
+                    deadline = min(deadline, time.monotonic() + self.grace_s)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    problem = f"a rank process exited with code {dead[0].exitcode}"
+                elif time.monotonic() > deadline:
+                    problem = f"ranks {sorted(set(range(self.world_size)) - set(outcomes))} gave no result in time"
+                if problem:
+                    self.close()
+                    break
+        failures = [f"--- rank {rank} ---\n{value[-3000:]}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
+        if problem:
+            failures.append(f"{problem}; the pool was restarted")
+        if failures:
+            raise WorkerError(f"{getattr(fn, '__name__', fn)} failed:\n" + "\n".join(failures))
+        return [outcomes[rank][1] for rank in range(self.world_size)]
+
+    def close(self) -> None:
+        for proc, tasks in zip(self._procs, getattr(self, "_tasks", [])):
+            if proc.is_alive():
+                tasks.put(None)
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self._procs = []
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and world size in the default group (for functions run by a WorkerPool)."""
+    return dist.get_rank(), dist.get_world_size()
+
+
+__all__ = ["WorkerError", "WorkerPool", "assert_graph_snapshot", "fake_process_group", "graph_summary",
+           "rank_and_world"]
