@@ -69,7 +69,7 @@ class Backend:
 
     # -- compiling ----------------------------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs, **_):
-        specs = self._check_inputs(example_inputs)
+        specs = self._check_inputs(gm, example_inputs)
         first = next(iter(specs), None)
         context = PassContext(
             stage=self.stage,
@@ -95,15 +95,18 @@ class Backend:
             **kwargs,
         )
 
-    def _check_inputs(self, example_inputs) -> list:
+    def _check_inputs(self, gm: fx.GraphModule, example_inputs) -> list:
         specs = []
-        for value in example_inputs:
+        for placeholder, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
             if not isinstance(value, nn.Parameter):
                 continue
             spec = spec_of(value)
             if spec is None:
+                grapharg = placeholder.meta.get("grapharg")
+                where = grapharg.source.name if grapharg is not None else placeholder.name
                 raise FxShardError(
-                    f"the compiled code reads a parameter of shape {list(value.shape)} that fxshard did not shard: "
+                    f"the compiled code reads a parameter that fxshard did not shard ({where}, shape "
+                    f"{list(value.shape)}): "
                     "call `model, opt = backend.prepare(model, opt)` before torch.compile, and do not add or "
                     "replace parameters after prepare"
                 )

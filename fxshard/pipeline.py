@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 
 from torch import fx
@@ -31,7 +32,9 @@ class GraphRecord:
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    with warnings.catch_warnings():  # torch 2.13's pytree warns about its own LeafSpec while copying codegen
+        warnings.simplefilter("ignore", FutureWarning)
+        return fx.GraphModule(gm, copy.deepcopy(gm.graph))
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], record: GraphRecord) -> fx.GraphModule:

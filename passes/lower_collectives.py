@@ -49,9 +49,12 @@ class _Emitter:
     def __init__(self, graph: fx.Graph, unit: str, params: list[str]):
         self.graph, self.unit, self.params = graph, unit, params
 
-    def __call__(self, role: str, target, *args) -> fx.Node:
-        # Collectives and waits are named after their unit so a printed graph reads "all_gather_blocks_0_attn".
-        name = f"{role}_{self.unit}".replace(".", "_") if role in ("all_gather", "reduce_scatter", "wait") else None
+    def __call__(self, role: str, target, *args, name: str | None = None) -> fx.Node:
+        # Collectives and waits are named after their unit, gathered weights after their parameter, so a printed
+        # graph reads "wait_blocks_0_attn_qkv" and "blocks_0_attn_qkv_weight".
+        if role in ("all_gather", "reduce_scatter", "wait"):
+            name = f"{role}_{self.unit}"
+        name = name and name.replace(".", "_")
         node = self.graph.create_node("call_function", target, args, name=name)
         fxshard_meta(node).update(unit=self.unit, role=role, params=self.params)
         return node
@@ -71,23 +74,20 @@ def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassC
         flat = shards[0] if len(shards) == 1 else emit("copy_in", aten.cat.default, shards)
         gathered = emit("all_gather", c10d.all_gather_into_tensor.default, flat, world, ctx.group_name)
         gathered = emit("wait", c10d.wait_tensor.default, gathered)
-        if len(shards) == 1:
-            per_rank = [gathered]
-        else:
+        if len(shards) > 1:
             rows = emit("copy_out", aten.view.default, gathered, [world, sum(chunks)])
             split = emit("copy_out", aten.split_with_sizes.default, rows, chunks, 1)
-            per_rank = [
-                emit("copy_out", aten.view.default, emit("copy_out", aten.clone.default, emit("copy_out", operator.getitem, split, i)), [-1])
-                for i in range(len(shards))
-            ]
         full_by_shard = {}
-        for shard, chunk, flat_full in zip(shards, chunks, per_rank):
+        for i, (shard, chunk) in enumerate(zip(shards, chunks)):
             marker = next(m for m in markers if m.args[0] is shard)
-            full_shape = list(marker.args[1])
             numel = marker.meta["val"].numel()
+            piece = gathered
+            if len(shards) > 1:  # this parameter's column of the [world, chunks] buffer, made contiguous
+                piece = emit("copy_out", aten.clone.default, emit("copy_out", operator.getitem, split, i))
             if numel != chunk * world:
-                flat_full = emit("copy_out", aten.slice.Tensor, flat_full, 0, 0, numel)
-            full_by_shard[shard] = emit("copy_out", aten.view.default, flat_full, full_shape)
+                flat = piece if len(shards) == 1 else emit("copy_out", aten.view.default, piece, [-1])
+                piece = emit("copy_out", aten.slice.Tensor, flat, 0, 0, numel)
+            full_by_shard[shard] = emit("copy_out", aten.view.default, piece, list(marker.args[1]), name=marker.args[-1])
     for marker in markers:
         full = full_by_shard[marker.args[0]]
         full.meta.update({k: v for k, v in marker.meta.items() if k in ("recompute", "stack_trace", "nn_module_stack")})
@@ -115,7 +115,7 @@ def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassC
             grad = marker.args[0]
             if not grad.meta["val"].is_contiguous():
                 grad = emit("copy_in", aten.clone.default, grad)
-            flat = emit("copy_in", aten.view.default, grad, [-1])
+            flat = grad if grad.meta["val"].dim() == 1 else emit("copy_in", aten.view.default, grad, [-1])
             padding = chunk * world - grad.meta["val"].numel()
             if padding:
                 flat = emit("copy_in", aten.constant_pad_nd.default, flat, [0, padding])
@@ -127,7 +127,7 @@ def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassC
             shard_grads = [reduced]
         else:
             split = emit("copy_out", aten.split_with_sizes.default, reduced, chunks)
-            shard_grads = [emit("copy_out", operator.getitem, split, i) for i in range(len(markers))]
+            shard_grads = [emit("copy_out", operator.getitem, split, i, name=f"{m.args[-1]}_grad") for i, m in enumerate(markers)]
     for marker, shard_grad in zip(markers, shard_grads):
         marker.replace_all_uses_with(shard_grad)
         graph.erase_node(marker)

@@ -1,0 +1,90 @@
+"""Every misuse raises FxShardError saying what to do, never a hang or a silent wrong result."""
+
+import pytest
+import torch
+from torch import nn
+
+import fxshard
+from examples.models import MLP
+from fxshard.testing import fake_process_group
+
+
+@pytest.fixture
+def fake_world():
+    torch._dynamo.reset()
+    with fake_process_group(2):
+        yield
+
+
+@pytest.mark.parametrize("stage", [-1, 4, "3", None])
+def test_stage_outside_0_to_3(stage):
+    with pytest.raises(fxshard.FxShardError, match="stage must be one of 0, 1, 2, 3"):
+        fxshard.backend(stage=stage)
+
+
+def test_unknown_compiler():
+    with pytest.raises(fxshard.FxShardError, match="compiler must be one of"):
+        fxshard.backend(stage=3, compiler="tvm")
+
+
+def test_prepare_without_process_group():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(fxshard.FxShardError, match="init_process_group"):
+        fxshard.backend(stage=3).prepare(MLP())
+
+
+def test_compiling_an_unprepared_model(fake_world):
+    compiled = torch.compile(MLP(), backend=fxshard.backend(stage=3), fullgraph=True)
+    with pytest.raises(fxshard.FxShardError, match=r"did not shard \(L\['self'\]._modules\['fc1'\]"):
+        compiled(torch.randn(4, 8))
+
+
+def test_parameter_replaced_after_prepare_compiled(fake_world):
+    backend = fxshard.backend(stage=3)
+    model, _ = backend.prepare(MLP())
+    model.fc2.weight = nn.Parameter(torch.randn(5, 16))
+    with pytest.raises(fxshard.FxShardError, match=r"_modules\['fc2'\]._parameters\['weight'\].*backend.prepare"):
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))
+
+
+def test_parameter_replaced_after_prepare_eager(fake_world):
+    model, _ = fxshard.backend(stage=3).prepare(MLP())
+    model.fc1.weight = nn.Parameter(torch.randn(16, 8))
+    with pytest.raises(fxshard.FxShardError, match="fc1.weight was replaced after prepare"):
+        model(torch.randn(4, 8))
+
+
+class GrowingMLP(MLP):
+    """An MLP whose forward also uses a head that the user may attach later."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return self.head(y) if hasattr(self, "head") else y
+
+
+def test_layer_added_after_prepare(fake_world):
+    backend = fxshard.backend(stage=3)
+    model, _ = backend.prepare(GrowingMLP())
+    model.head = nn.Linear(5, 3)
+    with pytest.raises(fxshard.FxShardError, match=r"_modules\['head'\]"):
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))
+
+
+def test_prepare_twice(fake_world):
+    backend = fxshard.backend(stage=3)
+    model, _ = backend.prepare(MLP())
+    with pytest.raises(fxshard.FxShardError, match="already prepared"):
+        backend.prepare(model)
+
+
+def test_unsupported_optimizer(fake_world):
+    model = MLP()
+    with pytest.raises(fxshard.FxShardError, match="LBFGS is not supported.*elementwise"):
+        fxshard.backend(stage=3).prepare(model, torch.optim.LBFGS(model.parameters()))
+
+
+def test_optimizer_over_other_tensors(fake_world):
+    model = MLP()
+    stray = nn.Parameter(torch.zeros(3))
+    with pytest.raises(fxshard.FxShardError, match="not parameters of the prepared model"):
+        fxshard.backend(stage=3).prepare(model, torch.optim.SGD([*model.parameters(), stray], lr=0.1))
