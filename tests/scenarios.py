@@ -46,7 +46,9 @@ def loss_of(model_name: str, model, batch) -> torch.Tensor:
     return F.mse_loss(model(inputs), targets)
 
 
-def train_against_reference(model_name: str, optimizer: str, steps: int = 5, compiled: bool = True) -> dict:
+def train_against_reference(
+    model_name: str, optimizer: str, steps: int = 5, compiled: bool = True, compiler: str = "eager"
+) -> dict:
     """Train a prepared model (this rank's slice of each global batch) beside a single-process reference that
     sees the whole global batch; return both models' full parameters before and after."""
     rank, world = rank_and_world()
@@ -54,7 +56,7 @@ def train_against_reference(model_name: str, optimizer: str, steps: int = 5, com
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer(optimizer, reference.parameters())
-    backend = fxshard.backend(stage=3)
+    backend = fxshard.backend(stage=3, compiler=compiler)
     model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
     generator = torch.Generator().manual_seed(1)
@@ -72,4 +74,61 @@ def train_against_reference(model_name: str, optimizer: str, steps: int = 5, com
         "final": model.state_dict(),
         "expected": reference.state_dict(),
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
+    }
+
+
+def _full_weight_matches(tensors, full_weights: dict) -> list[str]:
+    """Names of full weights (or their transposes) that any of ``tensors`` holds, compared by value."""
+    found = []
+    for name, weight in full_weights.items():
+        candidates = [weight] + ([weight.t()] if weight.dim() == 2 else [])
+        for tensor in tensors:
+            if any(tensor.shape == c.shape and torch.equal(tensor, c) for c in candidates):
+                found.append(name)
+                break
+    return found
+
+
+def memory_of_training(passes: str = "default", steps: int = 2) -> dict:
+    """Train the GPT with AdamW; report what each rank's storage holds and whether a full weight was ever
+    saved for backward or kept alive between steps."""
+    import gc
+
+    from fxshard.passes import lower_collectives_pass
+    from fxshard.prepare import spec_of
+
+    torch._dynamo.reset()
+    rank, world = rank_and_world()
+    model = build_model("gpt")
+    backend = fxshard.backend(stage=3, passes=[lower_collectives_pass] if passes == "lowering_only" else None)
+    model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
+    gc.collect()
+    params = dict(model.named_parameters())
+    storage = {n: (p.untyped_storage().nbytes(), spec_of(p).chunk * p.element_size()) for n, p in params.items()}
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    generator = torch.Generator().manual_seed(rank)
+    saved_full, alive_full = set(), set()
+    for _ in range(steps):
+        weights_before = {k: v for k, v in model.state_dict().items() if k.endswith("weight")}
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = loss_of("gpt", run, gpt_batch(GPTConfig(), PER_RANK_BATCH, generator))
+        saved_full.update(_full_weight_matches(saved, weights_before))
+        del saved
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        del loss
+        gc.collect()
+        weights_after = {k: v for k, v in model.state_dict().items() if k.endswith("weight")}
+        ours = {id(t) for t in [*weights_before.values(), *weights_after.values()]}
+        live = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and id(o) not in ours]
+        alive_full.update(_full_weight_matches(live, weights_before) + _full_weight_matches(live, weights_after))
+    state_shapes = {tuple(v.shape) for s in opt.state.values() for v in s.values() if v.dim() > 0}
+    return {
+        "storage": storage,
+        "shard_shapes": {n: tuple(p.shape) for n, p in params.items()},
+        "optimizer_state_shapes": state_shapes,
+        "saved_full_weights": sorted(saved_full),
+        "alive_full_weights": sorted(alive_full),
     }
