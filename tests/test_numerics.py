@@ -8,12 +8,17 @@ import scenarios
 STEPS = 5
 SGD_TOLERANCE = 1e-6
 # AdamW divides each gradient by its own running RMS, so the last-bit difference between summing per-rank
-# partial gradients and summing one global batch stays at that relative size (measured <= 4e-6 on the updates
-# below) EXCEPT where the exact gradient is zero: there the noise itself is normalised into a step of up to lr
-# with a random sign. In the GPT that is the key bias (softmax is invariant to adding the same vector to every
-# key), so its key third is held to the worst case of a sign flip every step, 2 * lr * steps, and every other
-# tensor to a relative update error of 1e-5.
-ADAMW_UPDATE_TOLERANCE = 1e-5
+# partial gradients and summing one global batch (~1e-7 of the SUM's magnitude) becomes a relative error of the
+# update of size noise / |gradient|. Where gradients are large against the sums they come from, that stays at
+# ~1e-6 (measured: every MLP tensor, and the GPT's MLPs, norms and embeddings). Two places are not:
+# - the key bias has an exactly zero gradient (softmax is invariant to adding one vector to every key), so the
+#   noise itself is normalised into steps of up to lr with random sign: its key third is held to the worst case
+#   of a sign flip every step, 2 * lr * steps;
+# - query/key weights of a freshly initialised GPT (std 0.02, near-uniform attention) have gradients far below
+#   the sums they come from: measured up to 2.6e-5 relative on their updates at world size 3.
+# So every other tensor is held to a relative update error of 1e-4. A wrong reduction (a rank's contribution
+# lost or doubled) moves updates by O(1); a global scale error is invisible to Adam but not to the SGD cases.
+ADAMW_UPDATE_TOLERANCE = 1e-4
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
