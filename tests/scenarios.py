@@ -132,3 +132,16 @@ def memory_of_training(passes: str = "default", steps: int = 2) -> dict:
         "saved_full_weights": sorted(saved_full),
         "alive_full_weights": sorted(alive_full),
     }
+
+
+def state_dict_round_trip() -> dict:
+    """state_dict() of a prepared model is the full, unpadded model; load_state_dict() takes full tensors back."""
+    model = build_model("mlp_uneven")
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    backend = fxshard.backend(stage=3)
+    backend.prepare(model)
+    gathered = model.state_dict()
+    replacement = {k: torch.full_like(v, float(i)) for i, (k, v) in enumerate(original.items())}
+    model.load_state_dict(replacement)
+    return {"original": original, "gathered": gathered, "reloaded": model.state_dict(), "replacement": replacement,
+            "shards": {n: p.detach().clone() for n, p in model.named_parameters()}}

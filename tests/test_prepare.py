@@ -1,0 +1,101 @@
+"""What prepare does to a model and an optimizer."""
+
+import torch
+from torch import nn
+
+import fxshard
+import scenarios
+from examples.models import GPT, MLP
+from fxshard.prepare import spec_of
+from fxshard.report import collectives
+from fxshard.testing import fake_process_group
+
+
+def test_parameters_become_padded_flat_shards_under_their_own_names():
+    with fake_process_group(3, rank=2):
+        model = MLP(d_in=7, d_hidden=11, d_out=5)
+        names = [n for n, _ in model.named_parameters()]
+        model, _ = fxshard.backend(stage=3).prepare(model)
+        params = dict(model.named_parameters())
+    assert list(params) == names
+    assert params["fc1.weight"].shape == (26,)  # 77 elements: 26 per rank, the last rank holds 1 padding
+    spec = spec_of(params["fc1.weight"])
+    assert (spec.full_shape, spec.chunk, spec.padding, spec.rank) == ((11, 7), 26, 1, 2)
+    assert params["fc1.weight"][-1].item() == 0.0  # padding is zero, so it adds nothing to norms or updates
+
+
+def test_state_dict_is_full_and_unpadded_and_loads_full_tensors(pools):
+    for rank, result in enumerate(pools(3).run(scenarios.state_dict_round_trip)):
+        for name, value in result["original"].items():
+            assert torch.equal(result["gathered"][name], value), name
+            assert torch.equal(result["reloaded"][name], result["replacement"][name]), name
+        shard = result["shards"]["fc2.bias"]  # 5 elements over 3 ranks: 2, 2, 1 + 1 padding
+        assert shard.shape == (2,)
+        expected = result["replacement"]["fc2.bias"].flatten()[2 * rank : 2 * rank + 2]
+        assert torch.equal(shard[: expected.numel()], expected)
+
+
+def test_tied_parameter_is_one_shard():
+    with fake_process_group(2):
+        model, _ = fxshard.backend(stage=3).prepare(GPT())
+        assert model.tok_emb._parameters["weight"] is model.lm_head._parameters["weight"]
+        assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
+
+
+def test_buffers_stay_replicated():
+    with fake_process_group(2):
+        model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+        running_mean = model[1].running_mean
+        model, _ = fxshard.backend(stage=3).prepare(model)
+        assert model[1].running_mean is running_mean and running_mean.shape == (6,)
+
+
+def test_frozen_parameters_are_sharded_and_get_no_reduce_scatter():
+    with fake_process_group(2):
+        torch._dynamo.reset()
+        model = MLP()
+        model.fc1.requires_grad_(False)
+        backend = fxshard.backend(stage=3)
+        model, _ = backend.prepare(model)
+        assert model.fc1._parameters["weight"].shape == (64,)
+        assert not model.fc1._parameters["weight"].requires_grad
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8)).sum().backward()
+        assert model.fc1._parameters["weight"].grad is None
+    backward = next(r.final for r in backend.graphs if r.kind == "backward")
+    assert [(r["kind"], r["unit"]) for r in collectives(backward) if r["kind"] == "reduce_scatter"] == [
+        ("reduce_scatter", "fc2")
+    ]
+
+
+def test_optimizer_keeps_class_groups_and_hyperparameters():
+    with fake_process_group(2):
+        model = MLP()
+        opt = torch.optim.AdamW(
+            [{"params": model.fc1.parameters(), "lr": 0.1}, {"params": model.fc2.parameters()}],
+            lr=0.01, betas=(0.8, 0.9), weight_decay=0.3,
+        )
+        model, sharded = fxshard.backend(stage=3).prepare(model, opt)
+    assert type(sharded) is torch.optim.AdamW
+    assert [g["lr"] for g in sharded.param_groups] == [0.1, 0.01]
+    assert all(g["betas"] == (0.8, 0.9) and g["weight_decay"] == 0.3 for g in sharded.param_groups)
+    assert sharded.param_groups[0]["params"] == [model.fc1._parameters["weight"], model.fc1._parameters["bias"]]
+
+
+def test_existing_optimizer_state_is_sharded_not_lost():
+    with fake_process_group(2, rank=1):
+        model = MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        momentum = opt.state[model.fc2.weight]["momentum_buffer"].clone()
+        model, sharded = fxshard.backend(stage=3).prepare(model, opt)
+        shard_state = sharded.state[model.fc2._parameters["weight"]]["momentum_buffer"]
+    assert torch.equal(shard_state, momentum.flatten()[40:80])  # rank 1 of 2: the second half of 80 elements
+
+
+def test_registered_backend_name():
+    with fake_process_group(2):
+        torch._dynamo.reset()
+        model, _ = fxshard.backend(stage=3).prepare(MLP())
+        out = torch.compile(model, backend="fxshard", options={"stage": 3}, fullgraph=True)(torch.randn(4, 8))
+        assert out.shape == (4, 5)
