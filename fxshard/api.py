@@ -45,10 +45,8 @@ class Backend:
         compiler: str = "eager",
         reshard_after_forward: bool = True,
     ):
-        if stage not in STAGES:
+        if isinstance(stage, bool) or stage not in STAGES:
             raise FxShardError(f"stage must be one of 0, 1, 2, 3 (ZeRO stage), got {stage!r}")
-        if stage != 3:
-            raise FxShardError(f"stage {stage} is not available yet; use stage=3 (ZeRO-3 / FSDP)")
         if compiler not in COMPILERS:
             raise FxShardError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         self.stage = stage
@@ -64,8 +62,8 @@ class Backend:
         """Shard ``model``'s parameters over the group in place; returns ``(model, optimizer over the shards)``."""
         if not isinstance(model, nn.Module):
             raise FxShardError(f"prepare takes an nn.Module, got {type(model).__name__}")
-        shards = shard_parameters(model, self.group)
-        return model, None if optimizer is None else shard_optimizer_over(optimizer, shards)
+        leaves = shard_parameters(model, self.stage, self.group)
+        return model, None if optimizer is None else shard_optimizer_over(optimizer, leaves)
 
     # -- compiling ----------------------------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs, **_):
@@ -109,6 +107,11 @@ class Backend:
                     f"{list(value.shape)}): "
                     "call `model, opt = backend.prepare(model, opt)` before torch.compile, and do not add or "
                     "replace parameters after prepare"
+                )
+            if spec.stage != self.stage:
+                raise FxShardError(
+                    f"{spec.name} was prepared for stage {spec.stage} but is compiled with a stage-{self.stage} "
+                    "backend; prepare and compile with the same backend"
                 )
             specs.append(spec)
         groups = {(s.group_name, s.world_size) for s in specs}

@@ -26,13 +26,29 @@ from .errors import FxShardError
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """Where one parameter's shard sits: everything the marker ops and the passes need, all static ints/strs."""
+    """How one parameter is laid out on this rank: everything the marker ops and the optimizer need, all static."""
 
     name: str  # fully qualified name of the parameter (first owner, for tied parameters)
     full_shape: tuple[int, ...]
     world_size: int
     rank: int
     group_name: str
+    stage: int
+
+    @property
+    def trains_shard(self) -> bool:
+        """Stages 2 and 3 train the flat shard; stages 0 and 1 train the full parameter."""
+        return self.stage >= 2
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the trainable leaf the model holds."""
+        return self.shard_shape if self.trains_shard else self.full_shape
+
+    @property
+    def grad_reduction(self) -> str:
+        """How the marker's backward reduces the full gradient: into the shard, or all of it (stage 0)."""
+        return "reduce_scatter" if self.trains_shard else "all_reduce"
 
     @property
     def numel(self) -> int:

@@ -12,6 +12,11 @@ def unit_of(fqn: str) -> str:
     return fqn.rpartition(".")[0]
 
 
+def marker_args(node: fx.Node) -> dict:
+    """A marker node's arguments by their schema names (``local``, ``resident``, ``fqn``, ``grad_reduction``...)."""
+    return {arg.name: value for arg, value in zip(node.target._schema.arguments, node.args)}
+
+
 def fxshard_meta(node: fx.Node) -> dict:
     """The node's ``meta["fxshard"]`` record, created empty if missing."""
     return node.meta.setdefault("fxshard", {})

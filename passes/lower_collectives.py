@@ -1,20 +1,26 @@
 """lower_collectives: replace the marker ops by ``_c10d_functional`` collectives, one per unit.
 
-Assumes: a partitioned ``forward`` / ``backward`` or an ``inference`` graph whose parameters enter as flat shards
-through ``fxshard.unshard`` markers and whose shard gradients leave through ``fxshard.reduce_grad`` markers, every
-node carrying ``meta["val"]``.
-Guarantees: no marker is left. The markers of one unit (``meta["fxshard"]["bucket"]`` if a pass before set it,
-else the module that uses the parameter) and dtype become:
+Assumes: a partitioned ``forward`` / ``backward`` or an ``inference`` graph whose parameters enter through
+``fxshard.unshard`` markers and whose gradients leave through ``fxshard.reduce_grad`` markers, every node carrying
+``meta["val"]``.
+Guarantees: no marker is left, and what replaces each follows from the marker's arguments (the layout ``prepare``
+chose for the stage), not from the stage itself:
 
-- gather: shards -> ``cat`` (when several) -> ``all_gather_into_tensor`` -> ``wait_tensor`` -> per parameter
-  ``split_with_sizes`` / ``clone`` / ``slice`` (drops padding) / ``view`` to the full shape, placed where the unit's
+- ``unshard`` with a ``resident`` full copy (stage 2) or of a full ``local`` (stage 0) becomes that tensor: no
+  communication;
+- the other ``unshard`` markers (stage 3) of one unit and dtype become: shards -> ``cat`` (when several) ->
+  ``all_gather_into_tensor`` -> ``wait_tensor`` -> per parameter ``split_with_sizes`` / ``clone`` / ``slice``
+  (drops padding) / ``view`` to the full shape (the node named after the parameter), placed where the unit's
   first marker was; a shard read twice in a unit is gathered once;
-- reduce: per gradient ``view`` (flat) -> ``constant_pad_nd`` -> ``view [world, chunk]`` -> ``cat`` on dim 1 (when
-  several) -> ``reduce_scatter_tensor(avg)`` -> ``wait_tensor`` -> ``split_with_sizes``, placed where the unit's
-  last marker was. A gradient whose shard is consumed before that point is reduced on its own.
+- ``reduce_grad`` markers of one unit, dtype and reduction become one collective placed where the unit's last
+  marker was: ``reduce_scatter``: per gradient flat ``view`` -> ``constant_pad_nd`` -> ``view [world, chunk]`` ->
+  ``cat`` on dim 1 -> ``reduce_scatter_tensor(avg)`` -> ``wait_tensor`` -> ``split_with_sizes`` (nodes named
+  ``<param>_grad``); ``all_reduce``: flat ``view`` -> ``cat`` -> ``all_reduce(avg)`` -> ``wait_tensor`` ->
+  ``split_with_sizes`` -> ``view`` to each shape. A gradient consumed before that point is reduced on its own.
 
-Every inserted node records ``meta["fxshard"] = {"unit", "role", "params"}`` and carries ``meta["val"]``. The joint
-graph is returned unchanged.
+A unit is ``meta["fxshard"]["bucket"]`` of the marker if a pass before set it, else the module that uses the
+parameter. Every inserted node records ``meta["fxshard"] = {"unit", "role", "params"}`` and carries
+``meta["val"]``. The joint graph is returned unchanged.
 """
 
 from __future__ import annotations
@@ -28,18 +34,23 @@ from torch import fx
 from fxshard.ops import REDUCE_GRAD, UNSHARD
 
 from .context import PassContext
-from .fx_utils import fxshard_meta, position, refresh_fake_values, unit_of
+from .fx_utils import fxshard_meta, marker_args, position, refresh_fake_values, unit_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-def _marker_groups(graph: fx.Graph, target) -> dict[tuple[str, torch.dtype], list[fx.Node]]:
-    groups: dict[tuple[str, torch.dtype], list[fx.Node]] = defaultdict(list)
-    for node in graph.find_nodes(op="call_function", target=target):
-        fqn = node.args[-1]
-        unit = node.meta.get("fxshard", {}).get("bucket", unit_of(fqn))
-        groups[(unit, node.meta["val"].dtype)].append(node)
+def gathers_shards(marker: fx.Node) -> bool:
+    """Whether an ``unshard`` marker must all-gather (stage 3) rather than read a full tensor it was given."""
+    args = marker_args(marker)
+    return args["resident"] is None and args["grad_reduction"] == "reduce_scatter"
+
+
+def _unit_groups(markers, key=lambda m: ()) -> dict[tuple, list[fx.Node]]:
+    groups: dict[tuple, list[fx.Node]] = defaultdict(list)
+    for node in markers:
+        unit = node.meta.get("fxshard", {}).get("bucket", unit_of(marker_args(node)["fqn"]))
+        groups[(unit, node.meta["val"].dtype, *key(node))].append(node)
     return groups
 
 
@@ -52,7 +63,7 @@ class _Emitter:
     def __call__(self, role: str, target, *args, name: str | None = None) -> fx.Node:
         # Collectives and waits are named after their unit, gathered weights after their parameter, so a printed
         # graph reads "wait_blocks_0_attn_qkv" and "blocks_0_attn_qkv_weight".
-        if role in ("all_gather", "reduce_scatter", "wait"):
+        if role in ("all_gather", "reduce_scatter", "all_reduce", "wait"):
             name = f"{role}_{self.unit}"
         name = name and name.replace(".", "_")
         node = self.graph.create_node("call_function", target, args, name=name)
@@ -60,11 +71,24 @@ class _Emitter:
         return node
 
 
+def _replace_marker(graph: fx.Graph, marker: fx.Node, value: fx.Node) -> None:
+    value.meta.update({k: v for k, v in marker.meta.items() if k == "recompute"})
+    marker.replace_all_uses_with(value)
+    graph.erase_node(marker)
+
+
+def _read_full(graph: fx.Graph, marker: fx.Node) -> None:
+    args = marker_args(marker)
+    full = args["resident"] if args["resident"] is not None else args["local"]
+    fxshard_meta(full).update(unit=unit_of(args["fqn"]), role="resident", params=[args["fqn"]])
+    _replace_marker(graph, marker, full)
+
+
 def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
     shards = list(dict.fromkeys(m.args[0] for m in markers))
     chunks = [s.meta["val"].numel() for s in shards]
     world = ctx.world_size
-    emit = _Emitter(graph, unit, list(dict.fromkeys(m.args[-1] for m in markers)))
+    emit = _Emitter(graph, unit, list(dict.fromkeys(marker_args(m)["fqn"] for m in markers)))
     order = position(graph)
     anchor = min(markers, key=order.__getitem__)
     latest_input = max(shards, key=order.__getitem__)
@@ -80,6 +104,7 @@ def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassC
         full_by_shard = {}
         for i, (shard, chunk) in enumerate(zip(shards, chunks)):
             marker = next(m for m in markers if m.args[0] is shard)
+            args = marker_args(marker)
             numel = marker.meta["val"].numel()
             piece = gathered
             if len(shards) > 1:  # this parameter's column of the [world, chunks] buffer, made contiguous
@@ -87,49 +112,67 @@ def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassC
             if numel != chunk * world:
                 flat = piece if len(shards) == 1 else emit("copy_out", aten.view.default, piece, [-1])
                 piece = emit("copy_out", aten.slice.Tensor, flat, 0, 0, numel)
-            full_by_shard[shard] = emit("copy_out", aten.view.default, piece, list(marker.args[1]), name=marker.args[-1])
+            full_by_shard[shard] = emit("copy_out", aten.view.default, piece, list(args["full_shape"]), name=args["fqn"])
     for marker in markers:
-        full = full_by_shard[marker.args[0]]
-        full.meta.update({k: v for k, v in marker.meta.items() if k in ("recompute", "stack_trace", "nn_module_stack")})
-        marker.replace_all_uses_with(full)
-        graph.erase_node(marker)
+        _replace_marker(graph, marker, full_by_shard[marker.args[0]])
 
 
 def _split_late_consumers(graph: fx.Graph, markers: list[fx.Node]) -> list[list[fx.Node]]:
-    """One group reduced at the last marker, plus singletons for markers whose shard is consumed before it."""
+    """One group reduced at the last marker, plus singletons for markers whose result is consumed before it."""
     order = position(graph)
     last = max(order[m] for m in markers)
     together = [m for m in markers if all(order[u] > last for u in m.users)]
     return [together] + [[m] for m in markers if m not in together] if together else [[m] for m in markers]
 
 
-def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
+def _flat(emit: _Emitter, grad: fx.Node) -> fx.Node:
+    if not grad.meta["val"].is_contiguous():
+        grad = emit("copy_in", aten.clone.default, grad)
+    return grad if grad.meta["val"].dim() == 1 else emit("copy_in", aten.view.default, grad, [-1])
+
+
+def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
     world = ctx.world_size
+    chunks = [m.meta["val"].numel() for m in markers]
+    rows = []
+    for marker, chunk in zip(markers, chunks):
+        flat = _flat(emit, marker.args[0])
+        padding = chunk * world - marker.args[0].meta["val"].numel()
+        if padding:
+            flat = emit("copy_in", aten.constant_pad_nd.default, flat, [0, padding])
+        rows.append(flat if len(markers) == 1 else emit("copy_in", aten.view.default, flat, [world, chunk]))
+    buffer = rows[0] if len(rows) == 1 else emit("copy_in", aten.view.default, emit("copy_in", aten.cat.default, rows, 1), [-1])
+    reduced = emit("reduce_scatter", c10d.reduce_scatter_tensor.default, buffer, "avg", world, ctx.group_name)
+    reduced = emit("wait", c10d.wait_tensor.default, reduced)
+    if len(markers) == 1:
+        return [reduced]
+    split = emit("copy_out", aten.split_with_sizes.default, reduced, chunks)
+    return [emit("copy_out", operator.getitem, split, i, name=f"{marker_args(m)['fqn']}_grad") for i, m in enumerate(markers)]
+
+
+def _lower_all_reduce(emit: _Emitter, markers: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
+    flats = [_flat(emit, m.args[0]) for m in markers]
+    buffer = flats[0] if len(flats) == 1 else emit("copy_in", aten.cat.default, flats)
+    reduced = emit("all_reduce", c10d.all_reduce.default, buffer, "avg", ctx.group_name)
+    reduced = emit("wait", c10d.wait_tensor.default, reduced)
+    sizes = [m.meta["val"].numel() for m in markers]
+    split = emit("copy_out", aten.split_with_sizes.default, reduced, sizes) if len(markers) > 1 else None
+    return [
+        emit("copy_out", aten.view.default, reduced if split is None else emit("copy_out", operator.getitem, split, i),
+             list(m.meta["val"].shape), name=f"{marker_args(m)['fqn']}_grad")
+        for i, m in enumerate(markers)
+    ]
+
+
+def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
     order = position(graph)
     markers = sorted(markers, key=order.__getitem__)
-    emit = _Emitter(graph, unit, [m.args[-1] for m in markers])
-    chunks = [m.meta["val"].numel() for m in markers]
+    emit = _Emitter(graph, unit, [marker_args(m)["fqn"] for m in markers])
+    lower = _lower_all_reduce if marker_args(markers[0])["grad_reduction"] == "all_reduce" else _lower_reduce_scatter
     with graph.inserting_before(markers[-1]):
-        rows = []
-        for marker, chunk in zip(markers, chunks):
-            grad = marker.args[0]
-            if not grad.meta["val"].is_contiguous():
-                grad = emit("copy_in", aten.clone.default, grad)
-            flat = grad if grad.meta["val"].dim() == 1 else emit("copy_in", aten.view.default, grad, [-1])
-            padding = chunk * world - grad.meta["val"].numel()
-            if padding:
-                flat = emit("copy_in", aten.constant_pad_nd.default, flat, [0, padding])
-            rows.append(flat if len(markers) == 1 else emit("copy_in", aten.view.default, flat, [world, chunk]))
-        buffer = rows[0] if len(rows) == 1 else emit("copy_in", aten.view.default, emit("copy_in", aten.cat.default, rows, 1), [-1])
-        reduced = emit("reduce_scatter", c10d.reduce_scatter_tensor.default, buffer, "avg", world, ctx.group_name)
-        reduced = emit("wait", c10d.wait_tensor.default, reduced)
-        if len(markers) == 1:
-            shard_grads = [reduced]
-        else:
-            split = emit("copy_out", aten.split_with_sizes.default, reduced, chunks)
-            shard_grads = [emit("copy_out", operator.getitem, split, i, name=f"{m.args[-1]}_grad") for i, m in enumerate(markers)]
-    for marker, shard_grad in zip(markers, shard_grads):
-        marker.replace_all_uses_with(shard_grad)
+        reduced = lower(emit, markers, ctx)
+    for marker, grad in zip(markers, reduced):
+        marker.replace_all_uses_with(grad)
         graph.erase_node(marker)
 
 
@@ -137,9 +180,16 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     if ctx.graph == "joint":
         return gm
     graph = gm.graph
-    for (unit, _), markers in _marker_groups(graph, UNSHARD).items():
+    gathering = []
+    for marker in list(graph.find_nodes(op="call_function", target=UNSHARD)):
+        if gathers_shards(marker):
+            gathering.append(marker)
+        else:
+            _read_full(graph, marker)
+    for (unit, *_), markers in _unit_groups(gathering).items():
         _lower_gather(graph, unit, markers, ctx)
-    for (unit, _), markers in _marker_groups(graph, REDUCE_GRAD).items():
+    reduces = graph.find_nodes(op="call_function", target=REDUCE_GRAD)
+    for (unit, *_), markers in _unit_groups(reduces, key=lambda m: (marker_args(m)["grad_reduction"],)).items():
         for group in _split_late_consumers(graph, markers):
             _lower_reduce(graph, unit, group, ctx)
     graph.lint()

@@ -2,10 +2,10 @@
 
 Assumes: the AOT joint graph (``ctx.graph == "joint"``), with ``fxshard.unshard`` markers whose inputs are shard
 placeholders.
-Guarantees: for stage 3 with ``reshard_after_forward``, every ``unshard`` marker, and every view of its output that
-backward reads, is tagged ``MUST_RECOMPUTE``, so the min-cut partitioner saves the (small) shard for backward and
+Guarantees: with ``reshard_after_forward``, every ``unshard`` marker that gathers shards (stage 3), and every
+view of its output, is tagged ``MUST_RECOMPUTE``, so the min-cut partitioner saves the (small) shard for backward and
 re-runs the marker there, never the full weight. Untagged, the partitioner saves the full weight: ZeRO-3 silently
-lost. Other stages and graphs are returned unchanged.
+lost. Markers that read a full tensor (stages 0 and 2) and other graphs are left unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fxshard.ops import UNSHARD
 
 from .context import PassContext
+from .lower_collectives import gathers_shards
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -24,9 +25,11 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def recompute_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if ctx.graph != "joint" or ctx.stage != 3 or not ctx.reshard_after_forward:
+    if ctx.graph != "joint" or not ctx.reshard_after_forward:
         return gm
     for node in gm.graph.find_nodes(op="call_function", target=UNSHARD):
+        if not gathers_shards(node):
+            continue
         pending = [node]
         while pending:
             tagged = pending.pop()

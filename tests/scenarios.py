@@ -47,7 +47,7 @@ def loss_of(model_name: str, model, batch) -> torch.Tensor:
 
 
 def train_against_reference(
-    model_name: str, optimizer: str, steps: int = 5, compiled: bool = True, compiler: str = "eager"
+    model_name: str, optimizer: str, steps: int = 5, compiled: bool = True, compiler: str = "eager", stage: int = 3
 ) -> dict:
     """Train a prepared model (this rank's slice of each global batch) beside a single-process reference that
     sees the whole global batch; return both models' full parameters before and after."""
@@ -56,7 +56,7 @@ def train_against_reference(
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer(optimizer, reference.parameters())
-    backend = fxshard.backend(stage=3, compiler=compiler)
+    backend = fxshard.backend(stage=stage, compiler=compiler)
     model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
     generator = torch.Generator().manual_seed(1)
