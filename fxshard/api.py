@@ -25,7 +25,7 @@ COMPILERS = ("eager", "inductor")
 
 def default_passes(stage: int = 3) -> list[Pass]:
     """The pipeline a backend of this stage runs; copy it, add or drop passes, and pass it as ``passes=``."""
-    return [P.recompute_gathers_pass, P.lower_collectives_pass]
+    return [P.recompute_gathers_pass, P.merge_tied_grads_pass, P.lower_collectives_pass]
 
 
 class Backend:

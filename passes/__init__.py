@@ -6,6 +6,7 @@ A pass documents what it assumes about the graph and what it guarantees, records
 
 from .context import PassContext
 from .lower_collectives import lower_collectives_pass
+from .merge_tied_grads import merge_tied_grads_pass
 from .recompute_gathers import recompute_gathers_pass
 
-__all__ = ["PassContext", "lower_collectives_pass", "recompute_gathers_pass"]
+__all__ = ["PassContext", "lower_collectives_pass", "merge_tied_grads_pass", "recompute_gathers_pass"]

@@ -167,7 +167,8 @@ def _lower_all_reduce(emit: _Emitter, markers: list[fx.Node], ctx: PassContext) 
 def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
     order = position(graph)
     markers = sorted(markers, key=order.__getitem__)
-    emit = _Emitter(graph, unit, [marker_args(m)["fqn"] for m in markers])
+    sites = [site for m in markers for site in m.meta.get("fxshard", {}).get("merged", [marker_args(m)["fqn"]])]
+    emit = _Emitter(graph, unit, sites)
     lower = _lower_all_reduce if marker_args(markers[0])["grad_reduction"] == "all_reduce" else _lower_reduce_scatter
     with graph.inserting_before(markers[-1]):
         reduced = lower(emit, markers, ctx)

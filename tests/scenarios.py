@@ -145,3 +145,28 @@ def state_dict_round_trip() -> dict:
     model.load_state_dict(replacement)
     return {"original": original, "gathered": gathered, "reloaded": model.state_dict(), "replacement": replacement,
             "shards": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def collectives_per_step(model_name: str, stage: int, compiled: bool = True) -> dict:
+    """The collectives of the second training step (the first one compiles), counted as they run."""
+    from fxshard.measure import CollectiveCounter
+    from fxshard.prepare import spec_of
+
+    rank, world = rank_and_world()
+    model = build_model(model_name)
+    backend = fxshard.backend(stage=stage)
+    model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
+    run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(2):
+        with CollectiveCounter() as counter:
+            loss_of(model_name, run, global_batch(model_name, PER_RANK_BATCH, generator)).backward()
+            opt.step()
+            opt.zero_grad()
+    specs = [spec_of(p) for p in opt.param_groups[0]["params"]]
+    return {
+        "totals": counter.totals(),
+        "psi": sum(s.numel for s in specs),
+        "psi_padded": sum(s.chunk * s.world_size for s in specs),
+        "world_size": world,
+    }
