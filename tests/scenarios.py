@@ -147,8 +147,15 @@ def state_dict_round_trip() -> dict:
             "shards": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def collectives_per_step(model_name: str, stage: int, compiled: bool = True) -> dict:
-    """The collectives of the second training step (the first one compiles), counted as they run."""
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (gradients of one unit may share one buffer)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def profile_step(model_name: str, stage: int) -> dict:
+    """Train two AdamW steps (the first compiles); of the second, count the collectives as they run and the bytes
+    each kind of training state holds on this rank (gradients measured after backward, before the step)."""
     from fxshard.measure import CollectiveCounter
     from fxshard.prepare import spec_of
 
@@ -156,17 +163,25 @@ def collectives_per_step(model_name: str, stage: int, compiled: bool = True) -> 
     model = build_model(model_name)
     backend = fxshard.backend(stage=stage)
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
-    run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+    run = torch.compile(model, backend=backend, fullgraph=True)
     generator = torch.Generator().manual_seed(rank)
-    for step in range(2):
+    for _ in range(2):
+        opt.zero_grad()
         with CollectiveCounter() as counter:
             loss_of(model_name, run, global_batch(model_name, PER_RANK_BATCH, generator)).backward()
+            grads_after_backward = _storage_bytes(p.grad for p in model.parameters())
             opt.step()
-            opt.zero_grad()
-    specs = [spec_of(p) for p in opt.param_groups[0]["params"]]
+    specs = [spec_of(p) for p in model.parameters()]
     return {
-        "totals": counter.totals(),
+        "collectives": counter.totals(),
+        "world_size": world,
         "psi": sum(s.numel for s in specs),
         "psi_padded": sum(s.chunk * s.world_size for s in specs),
-        "world_size": world,
+        "psi_bytes": 4 * sum(s.numel for s in specs),
+        "shard_bytes": 4 * sum(s.chunk for s in specs),
+        "params": _storage_bytes(model.parameters()),
+        "resident_copies": _storage_bytes(b for n, b in model.named_buffers() if "_fxshard_full_" in n),
+        "grads_after_backward": grads_after_backward,
+        "optimizer_params": _storage_bytes(p for group in opt.param_groups for p in group["params"]),
+        "optimizer_state": _storage_bytes(v for s in opt.state.values() for v in s.values() if v.dim()),
     }
