@@ -181,3 +181,173 @@ def test_pipeline_records_each_pass():
     lowering = forward.passes[-1]
     assert lowering.before.graph.find_nodes(op="call_function", target=UNSHARD)
     assert not lowering.after.graph.find_nodes(op="call_function", target=UNSHARD)
+
+
+def stage_graphs(stage: int) -> dict:
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        return final_graphs(compile_and_step(MLP(), torch.randn(4, 8), stage=stage))
+
+
+def test_stage_0_snapshot():
+    # DDP: the forward reads the full parameters as they are; backward all-reduces each layer's gradients.
+    graphs = stage_graphs(0)
+    assert_graph_snapshot(graphs["forward"], """\
+primals_1: f32[16,8]
+primals_2: f32[16]
+primals_3: f32[4,8]
+primals_4: f32[5,16]
+primals_5: f32[5]
+t = aten.t(primals_1) -> f32[8,16]
+addmm = aten.addmm(primals_2, primals_3, t) -> f32[4,16]
+relu = aten.relu(addmm) -> f32[4,16]
+t_1 = aten.t(primals_4) -> f32[16,5]
+addmm_1 = aten.addmm(primals_5, relu, t_1) -> f32[4,5]
+t_2 = aten.t(t_1) -> f32[5,16]
+return addmm_1:f32[4,5], primals_3:f32[4,8], relu:f32[4,16], t_2:f32[5,16]""")
+    assert_graph_snapshot(graphs["backward"], """\
+primals_3: f32[4,8]
+relu: f32[4,16]
+t_2: f32[5,16]
+tangents_1: f32[4,5]
+mm = aten.mm(tangents_1, t_2) -> f32[4,16]
+t_3 = aten.t(tangents_1) -> f32[5,4]
+mm_1 = aten.mm(t_3, relu) -> f32[5,16]
+t_4 = aten.t(mm_1) -> f32[16,5]
+sum_1 = aten.sum(tangents_1) -> f32[1,5]
+view = aten.view(sum_1) -> f32[5]
+t_5 = aten.t(t_4) -> f32[5,16]
+view_default = aten.view(t_5) -> f32[80]  # fc2 copy_in
+cat_default = aten.cat([view, view_default]) -> f32[85]  # fc2 copy_in
+all_reduce_fc2 = c10d.all_reduce(cat_default) -> f32[85]  # fc2 all_reduce
+wait_fc2 = c10d.wait_tensor(all_reduce_fc2) -> f32[85]  # fc2 wait
+split_with_sizes_default = aten.split_with_sizes(wait_fc2) -> (f32[5], f32[80])  # fc2 copy_out
+getitem = getitem(split_with_sizes_default) -> f32[5]  # fc2 copy_out
+fc2_bias_grad = aten.view(getitem) -> f32[5]  # fc2 copy_out
+getitem_1 = getitem(split_with_sizes_default) -> f32[80]  # fc2 copy_out
+fc2_weight_grad = aten.view(getitem_1) -> f32[5,16]  # fc2 copy_out
+detach = aten.detach(relu) -> f32[4,16]
+detach_1 = aten.detach(detach) -> f32[4,16]
+threshold_backward = aten.threshold_backward(mm, detach_1) -> f32[4,16]
+t_6 = aten.t(threshold_backward) -> f32[16,4]
+mm_2 = aten.mm(t_6, primals_3) -> f32[16,8]
+t_7 = aten.t(mm_2) -> f32[8,16]
+sum_2 = aten.sum(threshold_backward) -> f32[1,16]
+view_1 = aten.view(sum_2) -> f32[16]
+t_8 = aten.t(t_7) -> f32[16,8]
+view_default_1 = aten.view(t_8) -> f32[128]  # fc1 copy_in
+cat_default_1 = aten.cat([view_1, view_default_1]) -> f32[144]  # fc1 copy_in
+all_reduce_fc1 = c10d.all_reduce(cat_default_1) -> f32[144]  # fc1 all_reduce
+wait_fc1 = c10d.wait_tensor(all_reduce_fc1) -> f32[144]  # fc1 wait
+split_with_sizes_default_1 = aten.split_with_sizes(wait_fc1) -> (f32[16], f32[128])  # fc1 copy_out
+getitem_2 = getitem(split_with_sizes_default_1) -> f32[16]  # fc1 copy_out
+fc1_bias_grad = aten.view(getitem_2) -> f32[16]  # fc1 copy_out
+getitem_3 = getitem(split_with_sizes_default_1) -> f32[128]  # fc1 copy_out
+fc1_weight_grad = aten.view(getitem_3) -> f32[16,8]  # fc1 copy_out
+return fc1_weight_grad:f32[16,8], fc1_bias_grad:f32[16], -, fc2_weight_grad:f32[5,16], fc2_bias_grad:f32[5]""")
+
+
+def test_stage_1_snapshot():
+    # ZeRO-1: no collective in either graph; gradients stay full until optimizer.step() reduce-scatters them.
+    graphs = stage_graphs(1)
+    assert_graph_snapshot(graphs["forward"], """\
+primals_1: f32[16,8]
+primals_2: f32[16]
+primals_3: f32[4,8]
+primals_4: f32[5,16]
+primals_5: f32[5]
+t = aten.t(primals_1) -> f32[8,16]
+addmm = aten.addmm(primals_2, primals_3, t) -> f32[4,16]
+relu = aten.relu(addmm) -> f32[4,16]
+t_1 = aten.t(primals_4) -> f32[16,5]
+addmm_1 = aten.addmm(primals_5, relu, t_1) -> f32[4,5]
+return addmm_1:f32[4,5], primals_3:f32[4,8], primals_4:f32[5,16], relu:f32[4,16]""")
+    assert_graph_snapshot(graphs["backward"], """\
+primals_3: f32[4,8]
+primals_4: f32[5,16]
+relu: f32[4,16]
+tangents_1: f32[4,5]
+t_1 = aten.t(primals_4) -> f32[16,5]
+t_2 = aten.t(t_1) -> f32[5,16]
+mm = aten.mm(tangents_1, t_2) -> f32[4,16]
+t_3 = aten.t(tangents_1) -> f32[5,4]
+mm_1 = aten.mm(t_3, relu) -> f32[5,16]
+t_4 = aten.t(mm_1) -> f32[16,5]
+sum_1 = aten.sum(tangents_1) -> f32[1,5]
+view = aten.view(sum_1) -> f32[5]
+t_5 = aten.t(t_4) -> f32[5,16]
+detach = aten.detach(relu) -> f32[4,16]
+detach_1 = aten.detach(detach) -> f32[4,16]
+threshold_backward = aten.threshold_backward(mm, detach_1) -> f32[4,16]
+t_6 = aten.t(threshold_backward) -> f32[16,4]
+mm_2 = aten.mm(t_6, primals_3) -> f32[16,8]
+t_7 = aten.t(mm_2) -> f32[8,16]
+sum_2 = aten.sum(threshold_backward) -> f32[1,16]
+view_1 = aten.view(sum_2) -> f32[16]
+t_8 = aten.t(t_7) -> f32[16,8]
+return t_8:f32[16,8], view_1:f32[16], -, t_5:f32[5,16], view:f32[5]""")
+
+
+def test_stage_2_snapshot():
+    # ZeRO-2: the forward reads the resident full copies; backward reduce-scatters each layer into its shard.
+    graphs = stage_graphs(2)
+    assert_graph_snapshot(graphs["forward"], """\
+primals_1: f32[16,8]
+primals_2: f32[64]
+primals_3: f32[16]
+primals_4: f32[8]
+primals_5: f32[4,8]
+primals_6: f32[5,16]
+primals_7: f32[40]
+primals_8: f32[5]
+primals_9: f32[3]
+t = aten.t(primals_1) -> f32[8,16]
+addmm = aten.addmm(primals_3, primals_5, t) -> f32[4,16]
+relu = aten.relu(addmm) -> f32[4,16]
+t_1 = aten.t(primals_6) -> f32[16,5]
+addmm_1 = aten.addmm(primals_8, relu, t_1) -> f32[4,5]
+t_2 = aten.t(t_1) -> f32[5,16]
+return addmm_1:f32[4,5], primals_5:f32[4,8], relu:f32[4,16], t_2:f32[5,16]""")
+    assert_graph_snapshot(graphs["backward"], """\
+primals_5: f32[4,8]
+relu: f32[4,16]
+t_2: f32[5,16]
+tangents_1: f32[4,5]
+mm = aten.mm(tangents_1, t_2) -> f32[4,16]
+t_3 = aten.t(tangents_1) -> f32[5,4]
+mm_1 = aten.mm(t_3, relu) -> f32[5,16]
+t_4 = aten.t(mm_1) -> f32[16,5]
+sum_1 = aten.sum(tangents_1) -> f32[1,5]
+view = aten.view(sum_1) -> f32[5]
+t_5 = aten.t(t_4) -> f32[5,16]
+constant_pad_nd_default = aten.constant_pad_nd(view) -> f32[6]  # fc2 copy_in
+view_default = aten.view(constant_pad_nd_default) -> f32[2,3]  # fc2 copy_in
+view_default_1 = aten.view(t_5) -> f32[80]  # fc2 copy_in
+view_default_2 = aten.view(view_default_1) -> f32[2,40]  # fc2 copy_in
+cat_default = aten.cat([view_default, view_default_2]) -> f32[2,43]  # fc2 copy_in
+view_default_3 = aten.view(cat_default) -> f32[86]  # fc2 copy_in
+reduce_scatter_fc2 = c10d.reduce_scatter_tensor(view_default_3) -> f32[43]  # fc2 reduce_scatter
+wait_fc2 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[43]  # fc2 wait
+split_with_sizes_default = aten.split_with_sizes(wait_fc2) -> (f32[3], f32[40])  # fc2 copy_out
+fc2_bias_grad = getitem(split_with_sizes_default) -> f32[3]  # fc2 copy_out
+fc2_weight_grad = getitem(split_with_sizes_default) -> f32[40]  # fc2 copy_out
+detach = aten.detach(relu) -> f32[4,16]
+detach_1 = aten.detach(detach) -> f32[4,16]
+threshold_backward = aten.threshold_backward(mm, detach_1) -> f32[4,16]
+t_6 = aten.t(threshold_backward) -> f32[16,4]
+mm_2 = aten.mm(t_6, primals_5) -> f32[16,8]
+t_7 = aten.t(mm_2) -> f32[8,16]
+sum_2 = aten.sum(threshold_backward) -> f32[1,16]
+view_1 = aten.view(sum_2) -> f32[16]
+t_8 = aten.t(t_7) -> f32[16,8]
+view_default_4 = aten.view(view_1) -> f32[2,8]  # fc1 copy_in
+view_default_5 = aten.view(t_8) -> f32[128]  # fc1 copy_in
+view_default_6 = aten.view(view_default_5) -> f32[2,64]  # fc1 copy_in
+cat_default_1 = aten.cat([view_default_4, view_default_6]) -> f32[2,72]  # fc1 copy_in
+view_default_7 = aten.view(cat_default_1) -> f32[144]  # fc1 copy_in
+reduce_scatter_fc1 = c10d.reduce_scatter_tensor(view_default_7) -> f32[72]  # fc1 reduce_scatter
+wait_fc1 = c10d.wait_tensor(reduce_scatter_fc1) -> f32[72]  # fc1 wait
+split_with_sizes_default_1 = aten.split_with_sizes(wait_fc1) -> (f32[8], f32[64])  # fc1 copy_out
+fc1_bias_grad = getitem(split_with_sizes_default_1) -> f32[8]  # fc1 copy_out
+fc1_weight_grad = getitem(split_with_sizes_default_1) -> f32[64]  # fc1 copy_out
+return -, fc1_weight_grad:f32[64], -, fc1_bias_grad:f32[8], -, -, fc2_weight_grad:f32[40], -, fc2_bias_grad:f32[3]""")
