@@ -77,12 +77,8 @@ class Backend:
             reshard_after_forward=self.reshard_after_forward,
         )
         graph_id = next(self._graph_ids)
-        compile_graph = functools.partial(self._compile_graph, context, graph_id)
-        kwargs = {}
-        if self.compiler == "inductor":
-            from torch._inductor.decomposition import select_decomp_table
-
-            kwargs["decompositions"] = select_decomp_table()
+        inductor = _Inductor(gm, example_inputs) if self.compiler == "inductor" else None
+        compile_graph = functools.partial(self._compile_graph, context, graph_id, inductor)
         return aot_module_simplified(
             gm,
             example_inputs,
@@ -90,7 +86,9 @@ class Backend:
             bw_compiler=functools.partial(compile_graph, "backward"),
             inference_compiler=functools.partial(compile_graph, "inference"),
             partition_fn=functools.partial(self._partition, context, graph_id),
-            **kwargs,
+            # Inductor lowers the decomposed ATen op set; without its table AOT keeps ops that Inductor both
+            # decomposes and has a fallback for, and Inductor rejects the graph (aten.t.default).
+            **({"decompositions": inductor.decompositions} if inductor else {}),
         )
 
     def _check_inputs(self, gm: fx.GraphModule, example_inputs) -> list:
@@ -129,12 +127,10 @@ class Backend:
         joint = self._run(context, graph_id, "joint", joint)
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
-    def _compile_graph(self, context, graph_id, kind, gm: fx.GraphModule, example_inputs):
+    def _compile_graph(self, context, graph_id, inductor: _Inductor | None, kind, gm: fx.GraphModule, example_inputs):
         gm = self._run(context, graph_id, kind, gm)
-        if self.compiler == "inductor":
-            from torch._inductor.compile_fx import compile_fx_inner
-
-            return compile_fx_inner(gm, example_inputs)
+        if inductor is not None:
+            return inductor.compile(kind, gm, example_inputs)
         return make_boxed_func(gm.forward)
 
     # -- reporting ----------------------------------------------------------------------------------------------
@@ -142,6 +138,40 @@ class Backend:
         from .report import collective_report
 
         return collective_report(self.graphs)
+
+
+class _Inductor:
+    """Compiles the graphs AOT derives from one Dynamo graph with Inductor, as ``torch.compile(backend="inductor")``
+    would compile them.
+
+    ``compile_fx_inner``, Inductor's per-graph entry point, takes every graph for a forward unless told otherwise: a
+    backward graph would miss Inductor's backward-only rules (contiguous inputs for fallback kernels, symbolic sizes
+    of dynamic shapes), and no output would be marked user-visible, which is what keeps eager's output strides.
+    Inductor's own forward and backward wrappers set those from facts about the Dynamo graph, shared by both.
+    """
+
+    def __init__(self, dynamo_gm: fx.GraphModule, example_inputs):
+        from torch._inductor import compile_fx
+        from torch._inductor.decomposition import select_decomp_table
+
+        self.decompositions = select_decomp_table()
+        self._extra = compile_fx.create_compiler_config_extra(dynamo_gm)
+        self._num_outputs = compile_fx.get_num_model_outputs(dynamo_gm)
+        self._num_inputs = len(example_inputs)
+
+    def compile(self, kind: str, gm: fx.GraphModule, example_inputs):
+        from torch._inductor import compile_fx
+
+        if kind == "backward":
+            return compile_fx.compile_fx_backward(gm, example_inputs, compiler_config_extra=self._extra)
+        return compile_fx.compile_fx_forward(
+            gm,
+            example_inputs,
+            num_orig_model_outputs=self._num_outputs,
+            num_example_inputs=self._num_inputs,
+            compiler_config_extra=self._extra,
+            is_inference=kind == "inference",
+        )
 
 
 def backend(stage: int = 3, **options) -> Backend:
