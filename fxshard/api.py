@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -17,7 +18,7 @@ from fxshard.passes import PassContext
 
 from .errors import FxShardError
 from .pipeline import GraphRecord, Pass, run_passes
-from .prepare import shard_optimizer_over, shard_parameters, spec_of
+from .prepare import grad_sync_of, shard_optimizer_over, shard_parameters, spec_of
 
 STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
@@ -62,8 +63,28 @@ class Backend:
         """Shard ``model``'s parameters over the group in place; returns ``(model, optimizer over the shards)``."""
         if not isinstance(model, nn.Module):
             raise FxShardError(f"prepare takes an nn.Module, got {type(model).__name__}")
-        leaves = shard_parameters(model, self.stage, self.group)
-        return model, None if optimizer is None else shard_optimizer_over(optimizer, leaves)
+        leaves, grad_sync = shard_parameters(model, self.stage, self.group)
+        return model, None if optimizer is None else shard_optimizer_over(optimizer, leaves, grad_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module):
+        """Gradient accumulation: run the micro-batches of one optimizer step inside this context.
+
+        Stage 0 keeps gradients local inside it (backward compiles a second graph without the all-reduce) and
+        ``optimizer.step()`` all-reduces the accumulated gradients once. Stage 1 always communicates once per step,
+        at ``optimizer.step()``; stages 2 and 3 reduce-scatter every micro-batch into the accumulating gradient
+        shard (their gradients are never kept full), so for them this context changes nothing.
+        """
+        grad_sync = grad_sync_of(model)
+        if self.stage != 0:
+            yield
+            return
+        grad_sync.enabled = False
+        try:
+            yield
+        finally:
+            grad_sync.enabled = True
+            grad_sync.local_grads_pending = True
 
     # -- compiling ----------------------------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs, **_):

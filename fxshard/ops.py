@@ -9,7 +9,7 @@ The ops do not know the ZeRO stage; their arguments say how the parameter is lai
 of layout made by ``prepare``:
 
 - ``local`` is what this rank trains: the flat shard (``grad_reduction="reduce_scatter"``, stages 2 and 3) or the
-  full parameter (``"all_reduce"``, stage 0);
+  full parameter (``"all_reduce"``, stage 0; ``"none"`` under ``no_sync``, where gradients accumulate locally);
 - ``resident`` is a full copy kept between steps (stage 2), or None when the full value must be gathered from
   the shards (stage 3) or is ``local`` itself (stage 0);
 - ``fqn`` names the parameter at its use site (``"blocks.0.attn.qkv.weight"``): the passes group markers into
@@ -24,7 +24,7 @@ import torch
 
 _c10d = torch.ops._c10d_functional
 
-GRAD_REDUCTIONS = ("reduce_scatter", "all_reduce")
+GRAD_REDUCTIONS = ("reduce_scatter", "all_reduce", "none")
 
 
 def _flat_padded(full: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -46,7 +46,7 @@ def unshard(
     """The parameter in its full shape: the resident copy, the full ``local`` itself, or the gathered shards."""
     if resident is not None:
         return resident.clone()
-    if grad_reduction == "all_reduce":
+    if grad_reduction != "reduce_scatter":
         return local.clone()
     gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(local.contiguous(), world_size, group_name))
     return gathered[: math.prod(full_shape)].view(full_shape).clone()
@@ -59,7 +59,9 @@ def _(local, resident, full_shape, world_size, group_name, fqn, grad_reduction):
 
 @torch.library.custom_op("fxshard::reduce_grad", mutates_args=())
 def reduce_grad(full_grad: torch.Tensor, world_size: int, group_name: str, fqn: str, grad_reduction: str) -> torch.Tensor:
-    """Average a full-shape gradient over the ranks: this rank's flat shard of it, or all of it."""
+    """Average a full-shape gradient over the ranks: this rank's flat shard of it, or all of it (or keep it local)."""
+    if grad_reduction == "none":
+        return full_grad.contiguous().clone()
     if grad_reduction == "all_reduce":
         return _c10d.wait_tensor(_c10d.all_reduce(full_grad.contiguous(), "avg", group_name))
     flat = _flat_padded(full_grad, world_size)
@@ -68,7 +70,7 @@ def reduce_grad(full_grad: torch.Tensor, world_size: int, group_name: str, fqn: 
 
 @reduce_grad.register_fake
 def _(full_grad, world_size, group_name, fqn, grad_reduction):
-    if grad_reduction == "all_reduce":
+    if grad_reduction != "reduce_scatter":
         return torch.empty_like(full_grad, memory_format=torch.contiguous_format)
     return full_grad.new_empty(-(-full_grad.numel() // world_size))
 

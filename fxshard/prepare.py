@@ -19,6 +19,7 @@ stay replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -46,6 +47,22 @@ ELEMENTWISE_OPTIMIZERS = (
 _SPECS = "_fxshard_specs"  # module attribute: {parameter attribute name: ShardSpec}
 _PATH = "_fxshard_path"  # module attribute: the module's qualified name in the prepared model
 _RESIDENT = "_fxshard_full_"  # buffer name prefix of a stage-2 parameter's resident full copy
+_GRAD_SYNC = "_fxshard_grad_sync"  # module attribute: the model's GradSync
+
+
+@dataclasses.dataclass
+class GradSync:
+    """Whether backward reduces gradients now (stage 0), and whether some were kept local since the last step."""
+
+    enabled: bool = True
+    local_grads_pending: bool = False
+
+
+def grad_sync_of(model: nn.Module) -> GradSync:
+    for module in model.modules():
+        if hasattr(module, _GRAD_SYNC):
+            return getattr(module, _GRAD_SYNC)
+    raise FxShardError("this model was not prepared; call backend.prepare(model, optimizer) first")
 
 _SPEC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # trainable leaf (or stage-1 master shard) -> ShardSpec
 _RESIDENT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-2 shard leaf -> its resident full copy
@@ -72,7 +89,10 @@ def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
         )
     fqn = f"{getattr(module, _PATH)}.{name}" if getattr(module, _PATH) else name
     resident = module._buffers.get(_RESIDENT + name)
-    return unshard(local, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, spec.grad_reduction)
+    grad_reduction = spec.grad_reduction
+    if spec.stage == 0 and not getattr(module, _GRAD_SYNC).enabled:  # Dynamo guards on it: one graph per setting
+        grad_reduction = "none"
+    return unshard(local, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, grad_reduction)
 
 
 @functools.cache
@@ -115,10 +135,13 @@ def _leaf_for(param: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
     return nn.Parameter(shard_of(param, spec), requires_grad=param.requires_grad)
 
 
-def shard_parameters(model: nn.Module, stage: int, group=None) -> dict[int, nn.Parameter]:
-    """Lay out every parameter of ``model`` for ``stage``, in place; returns {id(original param): trainable leaf}."""
+def shard_parameters(model: nn.Module, stage: int, group=None) -> tuple[dict[int, nn.Parameter], GradSync]:
+    """Lay out every parameter of ``model`` for ``stage``, in place; returns {id(original param): trainable leaf}
+    and the model's GradSync."""
     if is_prepared(model) or any(spec_of(p) is not None for p in model.parameters()):
         raise FxShardError("this model is already prepared; call backend.prepare once per model")
+    grad_sync = GradSync()
+    model.__dict__[_GRAD_SYNC] = grad_sync
     group = _resolve_group(group)
     world_size, rank, group_name = dist.get_world_size(group), dist.get_rank(group), group.group_name
     leaves: dict[int, nn.Parameter] = {}
@@ -146,10 +169,11 @@ def shard_parameters(model: nn.Module, stage: int, group=None) -> dict[int, nn.P
             continue
         setattr(module, _SPECS, specs)
         setattr(module, _PATH, path)
+        module.__dict__[_GRAD_SYNC] = grad_sync
         module.__class__ = _accessor_class(type(module), tuple(owned))
         module.register_state_dict_post_hook(_state_dict_full)
         module.register_load_state_dict_pre_hook(_load_state_dict_shard)
-    return leaves
+    return leaves, grad_sync
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter]) -> None:
@@ -182,11 +206,14 @@ def _gather_into(full: torch.Tensor, shard: torch.Tensor, spec: ShardSpec) -> No
     full.detach().copy_(gathered)
 
 
-def shard_optimizer_over(optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter]) -> torch.optim.Optimizer:
+def shard_optimizer_over(
+    optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter], grad_sync: GradSync
+) -> torch.optim.Optimizer:
     """A new optimizer of the same class and hyperparameters over what this rank updates (shard leaves, master
     shards for stage 1, full parameters for stage 0), existing state laid out the same way.
 
-    Stage 1 and 2 optimizers carry step hooks: stage 1 reduce-scatters the full gradients into the master shards
+    Optimizers carry step hooks where a stage needs them: stage 0 all-reduces gradients that ``no_sync`` kept
+    local; stage 1 reduce-scatters the full gradients into the master shards
     before the update (the parameters' ``.grad`` is then None) and all-gathers the masters into the parameters
     after it; stage 2 all-gathers the updated shards into the resident full copies.
     """
@@ -205,7 +232,9 @@ def shard_optimizer_over(optimizer: torch.optim.Optimizer, leaves: dict[int, nn.
             if stage >= 1 and torch.is_tensor(value) and tuple(value.shape) == spec.full_shape else value
             for key, value in state.items()
         }
-    if stage == 1:
+    if stage == 0:
+        sharded.register_step_pre_hook(functools.partial(_all_reduce_local_grads, list(leaves.values()), grad_sync))
+    elif stage == 1:
         pairs = [(leaves[key], master) for key, master in updated.items() if master.requires_grad]
         sharded.register_step_pre_hook(functools.partial(_reduce_scatter_grads, pairs))
         sharded.register_step_post_hook(functools.partial(_gather_updated, pairs))
@@ -213,6 +242,18 @@ def shard_optimizer_over(optimizer: torch.optim.Optimizer, leaves: dict[int, nn.
         residents = [(_RESIDENT_OF[leaf], leaf) for leaf in leaves.values() if leaf.requires_grad]
         sharded.register_step_post_hook(functools.partial(_gather_updated, residents))
     return sharded
+
+
+@torch.no_grad()
+def _all_reduce_local_grads(params, grad_sync: GradSync, optimizer, args, kwargs) -> None:
+    # Averaging is idempotent on gradients that were already reduced, so a synced last micro-batch stays exact.
+    if not grad_sync.local_grads_pending:
+        return
+    for param in params:
+        if param.grad is not None:
+            spec = spec_of(param)
+            param.grad = reduce_grad(param.grad, spec.world_size, spec.group_name, spec.name, "all_reduce")
+    grad_sync.local_grads_pending = False
 
 
 @torch.no_grad()

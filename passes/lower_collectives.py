@@ -16,7 +16,8 @@ chose for the stage), not from the stage itself:
   marker was: ``reduce_scatter``: per gradient flat ``view`` -> ``constant_pad_nd`` -> ``view [world, chunk]`` ->
   ``cat`` on dim 1 -> ``reduce_scatter_tensor(avg)`` -> ``wait_tensor`` -> ``split_with_sizes`` (nodes named
   ``<param>_grad``); ``all_reduce``: flat ``view`` -> ``cat`` -> ``all_reduce(avg)`` -> ``wait_tensor`` ->
-  ``split_with_sizes`` -> ``view`` to each shape. A gradient consumed before that point is reduced on its own.
+  ``split_with_sizes`` -> ``view`` to each shape. A gradient consumed before that point is reduced on its own;
+  ``none`` (stage 0 under ``no_sync``) becomes the gradient itself.
 
 A unit is ``meta["fxshard"]["bucket"]`` of the marker if a pass before set it, else the module that uses the
 parameter. Every inserted node records ``meta["fxshard"] = {"unit", "role", "params"}`` and carries
@@ -189,7 +190,12 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             _read_full(graph, marker)
     for (unit, *_), markers in _unit_groups(gathering).items():
         _lower_gather(graph, unit, markers, ctx)
-    reduces = graph.find_nodes(op="call_function", target=REDUCE_GRAD)
+    reduces = []
+    for marker in list(graph.find_nodes(op="call_function", target=REDUCE_GRAD)):
+        if marker_args(marker)["grad_reduction"] == "none":  # no_sync: the gradient stays local
+            _replace_marker(graph, marker, marker.args[0])
+        else:
+            reduces.append(marker)
     for (unit, *_), markers in _unit_groups(reduces, key=lambda m: (marker_args(m)["grad_reduction"],)).items():
         for group in _split_late_consumers(graph, markers):
             _lower_reduce(graph, unit, group, ctx)

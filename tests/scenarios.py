@@ -185,3 +185,40 @@ def profile_step(model_name: str, stage: int) -> dict:
         "optimizer_params": _storage_bytes(p for group in opt.param_groups for p in group["params"]),
         "optimizer_state": _storage_bytes(v for s in opt.state.values() for v in s.values() if v.dim()),
     }
+
+
+def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int = 3) -> dict:
+    """Gradient accumulation: each step runs ``micro_batches`` backward passes inside ``backend.no_sync`` on this
+    rank's slices, beside a single process that sees each step's whole global batch at once. Returns the full
+    parameters and the collectives of the last step."""
+    from fxshard.measure import CollectiveCounter
+
+    rank, world = rank_and_world()
+    model = build_model("gpt")
+    reference = copy.deepcopy(model)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    reference_opt = make_optimizer("sgd", reference.parameters())
+    backend = fxshard.backend(stage=stage)
+    model, opt = backend.prepare(model, make_optimizer("sgd", model.parameters()))
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    generator = torch.Generator().manual_seed(1)
+    per_micro = PER_RANK_BATCH
+    for _ in range(steps):
+        batch = global_batch("gpt", world * per_micro * micro_batches, generator)
+        with CollectiveCounter() as counter:
+            with backend.no_sync(model):
+                for m in range(micro_batches):
+                    lo = (m * world + rank) * per_micro
+                    (loss_of("gpt", run, tuple(t[lo : lo + per_micro] for t in batch)) / micro_batches).backward()
+            opt.step()
+            opt.zero_grad()
+        loss_of("gpt", reference, batch).backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    return {
+        "initial": initial,
+        "final": model.state_dict(),
+        "expected": reference.state_dict(),
+        "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
+        "collectives": counter.totals(),
+    }
