@@ -89,18 +89,17 @@ def _full_weight_matches(tensors, full_weights: dict) -> list[str]:
     return found
 
 
-def memory_of_training(passes: str = "default", steps: int = 2) -> dict:
+def memory_of_training(steps: int = 2, **backend_options) -> dict:
     """Train the GPT with AdamW; report what each rank's storage holds and whether a full weight was ever
     saved for backward or kept alive between steps."""
     import gc
 
-    from fxshard.passes import lower_collectives_pass
     from fxshard.prepare import spec_of
 
     torch._dynamo.reset()
     rank, world = rank_and_world()
     model = build_model("gpt")
-    backend = fxshard.backend(stage=3, passes=[lower_collectives_pass] if passes == "lowering_only" else None)
+    backend = fxshard.backend(stage=3, **backend_options)
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     gc.collect()
     params = dict(model.named_parameters())

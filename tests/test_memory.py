@@ -29,7 +29,8 @@ def test_forward_saves_no_full_weight_for_backward(default_run):
         assert result["saved_full_weights"] == []
 
 
-def test_without_recompute_tags_full_weights_are_saved(pools):
-    # The check above can fail: drop recompute_gathers_pass and the partitioner keeps gathered weights.
-    for result in pools(2).run(scenarios.memory_of_training, "lowering_only"):
+def test_reshard_after_forward_false_keeps_gathered_weights_for_backward(pools):
+    # The check above can fail: without resharding (no recompute tags) the partitioner saves gathered weights.
+    for result in pools(2).run(scenarios.memory_of_training, reshard_after_forward=False):
         assert "blocks.0.fc.weight" in result["saved_full_weights"]
+        assert result["alive_full_weights"] == []  # ... but only from forward to backward
