@@ -15,6 +15,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from fxshard import passes as P
 from fxshard.passes import PassContext
+from fxshard.passes.context import KNOBS
 
 from .errors import FxShardError
 from .pipeline import GraphRecord, Pass, run_passes
@@ -29,12 +30,48 @@ def default_passes(stage: int = 3) -> list[Pass]:
     return [P.recompute_gathers_pass, P.merge_tied_grads_pass, P.lower_collectives_pass]
 
 
+def checked_knobs(knobs: dict) -> dict:
+    """The backend's knobs (``PassContext``'s fields after the facts), each of the right kind, or FxShardError."""
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise FxShardError(f"unknown backend option(s) {unknown}; the options are stage, group, passes, compiler, "
+                           f"{', '.join(KNOBS)} (see fxshard.passes.PassContext)")
+    bucket = knobs.get("bucket", "layer")
+    if not (bucket in ("layer", "block") or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket > 0)):
+        raise FxShardError(f'bucket must be "layer", "block" or a positive byte cap, got {bucket!r}')
+    if bucket == "block" and not knobs.get("blocks"):
+        raise FxShardError('bucket="block" needs blocks=[module names or module classes], e.g. blocks=[Block]')
+    for name in ("prefetch", "max_inflight_gathers"):
+        value = knobs.get(name, 0 if name == "prefetch" else 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "prefetch" else 1):
+            raise FxShardError(f"{name} must be an int >= {0 if name == 'prefetch' else 1}, got {value!r}")
+    for name in ("param_dtype", "reduce_dtype"):
+        value = knobs.get(name)
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise FxShardError(f"{name} must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {value!r}")
+    schedule = knobs.get("schedule")
+    if schedule is not None and not callable(schedule):
+        raise FxShardError(f"schedule must be a function schedule(gm, ctx) -> gm, got {schedule!r}")
+    budget = knobs.get("memory_budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+        raise FxShardError(f"memory_budget must be a positive number of bytes per rank, got {budget!r}")
+    if "blocks" in knobs:
+        knobs = {**knobs, "blocks": tuple(knobs["blocks"])}
+    return knobs
+
+
 class Backend:
     """A Dynamo backend that compiles a prepared model's step with ZeRO collectives inserted by FX passes.
 
     Use one backend per model: ``prepare`` shards the model over ``group`` (default: the world group), and every
     graph Dynamo hands it is run through AOT autograd and the pass pipeline. ``graphs`` keeps each rewritten graph
     with its pass-by-pass history; ``report()`` summarises the collectives.
+
+    Options: ``group`` (default: the world group), ``passes`` (default: ``default_passes(stage)``), ``compiler``
+    (``"eager"`` runs the rewritten graphs as they are, ``"inductor"`` compiles them), and the knobs every pass
+    reads, documented on ``fxshard.passes.PassContext``: ``reshard_after_forward``, ``bucket``, ``blocks``,
+    ``prefetch``, ``max_inflight_gathers``, ``schedule``, ``memory_budget``, ``param_dtype``, ``reduce_dtype``. An
+    unknown option or a value of the wrong kind raises FxShardError.
     """
 
     def __init__(
@@ -44,7 +81,7 @@ class Backend:
         group=None,
         passes: Sequence[Pass] | None = None,
         compiler: str = "eager",
-        reshard_after_forward: bool = True,
+        **knobs,
     ):
         if isinstance(stage, bool) or stage not in STAGES:
             raise FxShardError(f"stage must be one of 0, 1, 2, 3 (ZeRO stage), got {stage!r}")
@@ -52,9 +89,11 @@ class Backend:
             raise FxShardError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         self.stage = stage
         self.group = group
+        self.knobs = checked_knobs(knobs)
         self.passes = list(default_passes(stage) if passes is None else passes)
         self.compiler = compiler
-        self.reshard_after_forward = reshard_after_forward
+        self.model: nn.Module | None = None  # what prepare laid out, for the report and the budget
+        self.optimizer: torch.optim.Optimizer | None = None
         self.graphs: list[GraphRecord] = []
         self._graph_ids = itertools.count()
 
@@ -64,7 +103,9 @@ class Backend:
         if not isinstance(model, nn.Module):
             raise FxShardError(f"prepare takes an nn.Module, got {type(model).__name__}")
         leaves, grad_sync = shard_parameters(model, self.stage, self.group)
-        return model, None if optimizer is None else shard_optimizer_over(optimizer, leaves, grad_sync)
+        self.model = model
+        self.optimizer = None if optimizer is None else shard_optimizer_over(optimizer, leaves, grad_sync)
+        return model, self.optimizer
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):
@@ -95,7 +136,7 @@ class Backend:
             graph="joint",
             world_size=first.world_size if first else 1,
             group_name=first.group_name if first else "",
-            reshard_after_forward=self.reshard_after_forward,
+            **self.knobs,
         )
         graph_id = next(self._graph_ids)
         inductor = _Inductor(gm, example_inputs) if self.compiler == "inductor" else None
@@ -196,7 +237,8 @@ class _Inductor:
 
 
 def backend(stage: int = 3, **options) -> Backend:
-    """``fxshard.backend(stage=3, **options)``: see ``Backend`` for the options."""
+    """``fxshard.backend(stage=3, **options)``: ``group``, ``passes``, ``compiler`` (see ``Backend``) and the knobs
+    that every pass reads (see ``fxshard.passes.PassContext``)."""
     return Backend(stage, **options)
 
 

@@ -1,23 +1,41 @@
-"""What every pass is told about the graph it rewrites."""
+"""What every pass is told about the graph it rewrites, and every knob a user can set on the backend."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Literal
 
-GraphKind = Literal["joint", "forward", "backward", "inference"]
+import torch
+
+GraphKind = Literal["joint", "forward", "backward", "inference", "optimizer"]
 
 
 @dataclasses.dataclass(frozen=True)
 class PassContext:
     """The knobs and facts a pass may read; passes never read global state.
 
+    Facts about the graph (set by the backend):
     stage: ZeRO stage 0..3.
     graph: which graph is being rewritten: the AOT ``joint`` graph (before partitioning), the partitioned
-        ``forward`` / ``backward`` graphs, or an ``inference`` graph (a call under ``torch.no_grad``).
+        ``forward`` / ``backward`` graphs, an ``inference`` graph (a call under ``torch.no_grad``), or an
+        ``optimizer`` graph (``opt.step`` compiled with the backend).
     world_size, group_name: the process group the markers name (one group per backend).
+
+    Knobs (``fxshard.backend(stage, **knobs)``; every field below is one):
     reshard_after_forward: stage 3 only: free gathered weights after forward and gather again in backward (True,
-        ZeRO-3) or keep them from forward to backward (False: less communication, more memory).
+        ZeRO-3) or keep them from forward to backward (False: 2Ψ instead of 3Ψ per step, more memory).
+    bucket: how collectives are grouped: ``"layer"`` (one per module that owns parameters), ``"block"`` (one per
+        entry of ``blocks``), or an int byte cap (greedy, in graph order).
+    blocks: for ``bucket="block"``: module names (``"blocks.0"``) or module classes whose parameters share one
+        collective, like FSDP2's per-block ``fully_shard``.
+    prefetch: how many units ahead an all-gather is issued (0: each gather right before its unit's compute).
+    max_inflight_gathers: the most gathered buffers alive at once under prefetch.
+    schedule: a researcher's ordering function ``schedule(gm, ctx) -> gm`` run in place of the prefetch pass.
+    memory_budget: bytes per rank the rewritten graphs may need; over it, compilation fails with the ledger.
+    param_dtype: mixed precision: the dtype forward and backward compute in (parameters are cast from the fp32
+        master before they are gathered); None computes in the parameters' own dtype.
+    reduce_dtype: mixed precision: the dtype gradients are reduced in; None reduces in ``param_dtype``.
     """
 
     stage: int
@@ -25,3 +43,15 @@ class PassContext:
     world_size: int
     group_name: str
     reshard_after_forward: bool = True
+    bucket: str | int = "layer"
+    blocks: Sequence[str | type] = ()
+    prefetch: int = 1
+    max_inflight_gathers: int = 2
+    schedule: Callable | None = None
+    memory_budget: int | None = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+FACTS = ("stage", "graph", "world_size", "group_name")
+KNOBS = tuple(f.name for f in dataclasses.fields(PassContext) if f.name not in FACTS)
