@@ -1,0 +1,548 @@
+"""The sympy ledger: memory per rank and bytes communicated per step, read off the rewritten graphs.
+
+Nothing here is a table keyed by ZeRO stage. Every term comes from a node (or the prepared optimizer):
+
+- the AOT joint graph's ``fxshard.unshard`` markers say which graph input is a parameter's trainable leaf
+  (``local``) and which is a separate full copy (``resident``), and whether the graph reads the leaf whole or
+  gathers it from shards; a graph without markers (stage 1) reads every input that receives a gradient as a
+  plain parameter;
+- the backward graph's outputs (``GradAOTOutput``) are the gradients that stay resident, full or sharded;
+- every collective node (``meta["fxshard"]["role"]`` of ``all_gather`` / ``reduce_scatter`` / ``all_reduce``)
+  contributes its input buffer, expressed in the element counts of the parameters its ``params`` name;
+- the forward graph's outputs marked ``SavedForBackwardsAOTOutput`` that are not graph inputs are the activations
+  saved for backward;
+- the gathered buffers (``wait`` of an all-gather, the per-parameter copies after it) alive at once, walked in
+  graph order, give the transient peak under the schedule the passes chose;
+- the prepared optimizer gives the tensors it updates (the master copy: the shard leaf, the stage-1 master shard,
+  or the full parameter) and, from its class, the state kinds it keeps per element (Adam: ``exp_avg`` and
+  ``exp_avg_sq``); where the master is not what the graph reads, its update is followed by an all-gather into the
+  copy the graph reads, and where a gradient arrives full but the master is a shard, by a reduce-scatter.
+
+Symbols: ``N`` (world size), one element count ``ψ[name]`` per trainable parameter (``Ψ`` is their sum), byte
+widths ``b_param`` (the copy the graph reads), ``b_grad``, ``b_master``, ``b_state``, and the graph's own size
+symbols when it was compiled with dynamic shapes. A shard of ``ψ`` elements holds ``ceiling(ψ/N)`` (flat padded
+sharding); :meth:`Ledger.closed_form` assumes N divides every parameter and writes the sum as Ψ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterable
+
+import sympy
+import torch
+from torch import fx
+
+from .errors import FxShardError
+
+N = sympy.Symbol("N", positive=True, integer=True)
+PSI = sympy.Symbol("Ψ", positive=True)
+B_PARAM, B_GRAD, B_MASTER, B_STATE = (sympy.Symbol(n, positive=True) for n in ("b_param", "b_grad", "b_master", "b_state"))
+WIDTHS = (B_PARAM, B_GRAD, B_MASTER, B_STATE)
+# The ZeRO paper's mixed-precision Adam accounting: 2-byte parameters and gradients, fp32 master copy and moments.
+ZERO_PAPER_WIDTHS = {B_PARAM: 2, B_GRAD: 2, B_MASTER: 4, B_STATE: 4}
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+MEMORY_ITEMS = ("compute copy", "master", "gradients", "optimizer state")
+
+# What each elementwise optimizer keeps per element of what it updates (0-dim "step" counters are not counted).
+def optimizer_state_kinds(name: str, group: dict) -> tuple[str, ...]:
+    """State tensors an optimizer class (by name: ``"AdamW"``) keeps per element, given a param group's settings."""
+    if name in ("Adam", "AdamW"):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    if name == "SGD":
+        return ("momentum_buffer",) if group.get("momentum", 0) else ()
+    if name == "Adagrad":
+        return ("sum",)
+    if name == "Adamax":
+        return ("exp_avg", "exp_inf")
+    if name == "RMSprop":
+        return (("square_avg",) + (("momentum_buffer",) if group.get("momentum", 0) else ())
+                + (("grad_avg",) if group.get("centered") else ()))
+    if name in ("NAdam", "RAdam"):
+        return ("exp_avg", "exp_avg_sq")
+    raise FxShardError(f"the ledger does not know the state of {name}; use an optimizer fxshard supports")
+
+
+def psi(name: str) -> sympy.Symbol:
+    """The element count of one trainable parameter."""
+    return sympy.Symbol(f"ψ[{name}]", positive=True, integer=True)
+
+
+def shard(elements: sympy.Expr) -> sympy.Expr:
+    """Elements of one rank's flat padded shard."""
+    return sympy.ceiling(elements / N)
+
+
+def ring_factor(kind: str) -> sympy.Expr:
+    """Bytes a rank sends in a ring collective per byte of its input buffer (what ``CollectiveCounter`` counts)."""
+    return {"all_gather": N - 1, "reduce_scatter": (N - 1) / N, "all_reduce": 2 * (N - 1) / N}[kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One line of the ledger: ``elements × width`` bytes of one kind, and where in the graphs it comes from."""
+
+    section: str  # "memory" (resident between steps), "step" (alive during the step), "comm" (per step)
+    item: str  # "master", "gradients", "exp_avg", "activations", "gathered", "all_gather", ...
+    elements: sympy.Expr
+    width: sympy.Expr
+    source: str
+    calls: int = 0  # collectives: how many run per step
+    unit: str = ""
+
+    @property
+    def bytes(self) -> sympy.Expr:
+        return self.elements * self.width
+
+    @property
+    def moved(self) -> sympy.Expr:
+        """Collectives: bytes this rank sends per step in a ring algorithm."""
+        return self.bytes * ring_factor(self.item)
+
+
+@dataclasses.dataclass
+class Ledger:
+    """The step's ledger per rank; expressions in N, ψ[...] and the widths, ``values`` their sizes in this run."""
+
+    terms: list[Term]
+    values: dict[sympy.Symbol, int]
+    params: dict[str, sympy.Symbol]
+    # Where the graph reads the master itself, mixed-precision training would read a compute-dtype copy instead:
+    # these terms add that copy (the ZeRO paper's accounting); with one dtype the run has no such copy.
+    mixed_precision_copies: list[Term] = dataclasses.field(default_factory=list)
+    schedule: list[dict] = dataclasses.field(default_factory=list)
+
+    def select(self, section: str, item: str | None = None) -> list[Term]:
+        return [t for t in self.terms if t.section == section and (item is None or t.item == item)]
+
+    def resident(self) -> sympy.Expr:
+        """Bytes per rank held between steps: parameters, gradients (after backward), optimizer state."""
+        return sympy.Add(*(t.bytes for t in self.select("memory")))
+
+    def peak(self) -> sympy.Expr:
+        """Resident state plus what the step adds at its worst point: saved activations and gathered buffers."""
+        return self.resident() + sympy.Add(*(t.bytes for t in self.select("step")))
+
+    def communicated(self, kind: str | None = None, *, moved: bool = False) -> sympy.Expr:
+        """Bytes per step: handed to collectives (``moved=False``, what ``CollectiveCounter`` counts) or sent in a
+        ring (``moved=True``)."""
+        terms = [t for t in self.select("comm") if kind is None or t.item == kind]
+        return sympy.Add(*((t.moved if moved else t.bytes) for t in terms))
+
+    def calls(self, kind: str) -> int:
+        return sum(t.calls for t in self.select("comm", kind))
+
+    def mixed_precision(self) -> sympy.Expr:
+        """Resident bytes under the ZeRO paper's mixed-precision accounting: the run's terms plus a compute copy
+        wherever the graph reads the master."""
+        return self.resident() + sympy.Add(*(t.bytes for t in self.mixed_precision_copies))
+
+    def at(self, expr: sympy.Expr, **sizes) -> int:
+        """``expr`` evaluated at this run's sizes, overridden by ``N=...``, ``b_param=...``..."""
+        values = dict(self.values)
+        values.update({sympy.Symbol(k) if k not in ("N",) else N: v for k, v in sizes.items()})
+        values = {_symbol_named(self, s) if isinstance(s, sympy.Symbol) else s: v for s, v in values.items()}
+        result = sympy.sympify(expr).subs(values)
+        if not result.is_number:
+            raise FxShardError(f"cannot evaluate {expr}: no value for {sorted(map(str, result.free_symbols))}")
+        return int(result) if result == int(result) else float(result)
+
+    def closed_form(self, expr: sympy.Expr) -> sympy.Expr:
+        """``expr`` assuming N divides every parameter (no padding), the per-parameter counts summed into Ψ."""
+        return closed_form(expr, list(self.params.values()))
+
+
+def _symbol_named(ledger: Ledger, symbol: sympy.Symbol) -> sympy.Symbol:
+    for known in [N, *WIDTHS, *ledger.values]:
+        if known.name == symbol.name:
+            return known
+    return symbol
+
+
+def closed_form(expr: sympy.Expr, counts: list[sympy.Symbol]) -> sympy.Expr:
+    """Drop the padding (``ceiling(ψ/N) -> ψ/N``) and write Σψ as Ψ; what depends on one parameter alone stays."""
+    expr = sympy.sympify(expr).replace(sympy.ceiling, lambda x: x)
+    if counts:
+        last = counts[-1]
+        expr = expr.subs(last, PSI - sympy.Add(*counts[:-1]))
+    return sympy.simplify(sympy.expand(expr))
+
+
+# -- reading the graphs ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Param:
+    """A trainable parameter as the graphs see it."""
+
+    name: str
+    numel: int
+    reads: str  # "local" (the graph reads the trainable leaf whole), "gathered" (gathers the leaf), "resident", "plain"
+    sites: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def count(self) -> sympy.Symbol:
+        return psi(self.name)
+
+
+def _input_index(node) -> int | None:
+    desc = node.meta.get("desc") if isinstance(node, fx.Node) else None
+    return getattr(desc, "idx", None)
+
+
+def _meta(node: fx.Node) -> dict:
+    return node.meta.get("fxshard", {})
+
+
+def parameters_of_joint(joint: fx.GraphModule, names: dict[tuple, str] | None = None) -> dict[int, _Param]:
+    """{graph input index of each trainable leaf: _Param}, from the joint graph's markers (before any pass).
+
+    ``names`` optionally renames a parameter from (first use-site fqn,) to the name ``prepare`` gave it."""
+    from fxshard.ops import UNSHARD
+
+    from fxshard.passes.fx_utils import marker_args
+
+    found: dict[int, _Param] = {}
+    for node in joint.graph.find_nodes(op="call_function", target=UNSHARD):
+        args = marker_args(node)
+        idx = _input_index(args["local"])
+        if idx is None:
+            continue
+        numel = int(torch.Size(args["full_shape"]).numel())
+        if args["resident"] is not None:
+            reads = "resident"
+        elif args["grad_reduction"] == "reduce_scatter":
+            reads = "gathered"
+        else:
+            reads = "local"
+        param = found.setdefault(idx, _Param(args["fqn"], numel, reads))
+        param.sites.append(args["fqn"])
+    if not found:  # no markers: the graph reads every parameter as it is (stage 1 keeps them full and plain)
+        output = next(iter(joint.graph.find_nodes(op="output")))
+        placeholders = {_input_index(p): p for p in joint.graph.find_nodes(op="placeholder")}
+        for desc in output.meta.get("desc", []):
+            grad_of = getattr(desc, "grad_of", None)
+            idx = getattr(grad_of, "idx", None)
+            if idx is not None and idx in placeholders:
+                value = placeholders[idx].meta["val"]
+                found[idx] = _Param(f"input{idx}", int(value.numel()), "plain")
+    if names:
+        for param in found.values():
+            param.name = names.get(tuple(param.sites) or (param.name,), param.name)
+    return found
+
+
+def _numel_expr(value) -> tuple[sympy.Expr, dict]:
+    """A tensor's element count as a sympy expression (symbolic for dynamic shapes) and the sizes it was run at."""
+    numel = value.numel()
+    if isinstance(numel, torch.SymInt):
+        expr = sympy.sympify(numel.node.expr)
+        shape_env = numel.node.shape_env
+        return expr, {s: int(shape_env.var_to_val[s]) for s in expr.free_symbols if s in shape_env.var_to_val}
+    return sympy.Integer(int(numel)), {}
+
+
+class _Sizes:
+    """Maps tensors of the graphs to expressions in the parameters' counts, checked against their real sizes."""
+
+    def __init__(self, params: Iterable[_Param], world_size: int):
+        self.params = {p.name: p for p in params}
+        self.by_site = {site: p for p in self.params.values() for site in (p.sites or [p.name])}
+        self.values: dict[sympy.Symbol, int] = {N: world_size, **{p.count: p.numel for p in self.params.values()}}
+
+    def of_sites(self, sites) -> list[_Param]:
+        return list({id(self.by_site[s]): self.by_site[s] for s in sites if s in self.by_site}.values())
+
+    def matching(self, numel: int, candidates: list[sympy.Expr]) -> sympy.Expr:
+        """The first candidate that evaluates to ``numel`` here; the bare number if none does."""
+        for expr in candidates:
+            if int(expr.subs(self.values)) == numel:
+                return expr
+        return sympy.Integer(numel)
+
+
+def _width(value: torch.Tensor, symbol: sympy.Symbol, values: dict) -> sympy.Symbol:
+    """The width symbol for a tensor of this role; a dtype-suffixed one if the role already has another width."""
+    size = value.element_size()
+    if values.get(symbol, size) != size:
+        symbol = sympy.Symbol(f"{symbol.name}_{str(value.dtype).removeprefix('torch.')}", positive=True)
+    values[symbol] = size
+    return symbol
+
+
+def collective_terms(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[list[Term], list[dict]]:
+    """One comm term per collective node, its input buffer in parameter counts; and the schedule rows."""
+    terms, schedule = [], []
+    for index, node in enumerate(gm.graph.nodes):
+        meta = _meta(node)
+        kind = meta.get("role")
+        if kind not in COLLECTIVES:
+            continue
+        buffer = node.args[0].meta["val"]
+        params = sizes.of_sites(meta.get("params", []))
+        counts = [p.count for p in params]
+        candidates = {
+            "all_gather": [sympy.Add(*map(shard, counts))],
+            "reduce_scatter": [N * sympy.Add(*map(shard, counts))],
+            "all_reduce": [sympy.Add(*counts)],
+        }[kind]
+        elements = sizes.matching(int(buffer.numel()), candidates)
+        width = _width(buffer, B_PARAM if kind == "all_gather" else B_GRAD, sizes.values)
+        unit = meta.get("unit", "")
+        terms.append(Term("comm", kind, elements, width, f"{graph}: {node.name}", calls=1, unit=unit))
+        schedule.append({"graph": graph, "position": index, "collective": kind, "unit": unit,
+                         "params": [p.name for p in params], "node": node.name,
+                         "bytes": int(buffer.numel()) * buffer.element_size()})
+    return terms, schedule
+
+
+def _storage_root(node: fx.Node, roots: dict) -> fx.Node:
+    is_view = (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
+    if is_view or (node.op == "call_function" and node.target is operator.getitem):
+        source = node.args[0]
+        if isinstance(source, fx.Node):
+            return roots.get(source, source)
+    return node
+
+
+def gathered_peak(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[list[Term], str]:
+    """The gathered buffers alive together at the worst point of ``gm`` (in graph order), as terms."""
+    nodes = list(gm.graph.nodes)
+    roots: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        roots[node] = _storage_root(node, roots)
+    last_use: dict[fx.Node, int] = {}
+    for index, node in enumerate(nodes):
+        for used in node.all_input_nodes:
+            last_use[roots[used]] = index
+        if node.op == "output":
+            for used in node.all_input_nodes:
+                last_use[roots[used]] = len(nodes)  # returned: alive past the graph
+    gathered = {}
+    for node in nodes:
+        meta = _meta(node)
+        if roots[node] is not node or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        if meta.get("role") == "wait" and _meta(node.args[0]).get("role") == "all_gather":
+            gathered[node] = _gathered_expr(node, node.args[0].args[0], sizes)
+        elif meta.get("role") == "copy_out" and node.target is torch.ops.aten.clone.default:
+            gathered[node] = _column_expr(node, sizes)
+    best, best_bytes, where = [], 0, ""
+    for index, node in enumerate(nodes):
+        alive = [g for g in gathered if nodes.index(g) <= index < last_use.get(g, index + 1) or g is node]
+        total = sum(int(g.meta["val"].numel()) * g.meta["val"].element_size() for g in alive)
+        if total > best_bytes:
+            best, best_bytes, where = alive, total, f"{graph}: at {node.name}"
+    terms = [Term("step", "gathered", gathered[g], _width(g.meta["val"], B_PARAM, sizes.values), f"{graph}: {g.name}",
+                  unit=_meta(g).get("unit", "")) for g in best]
+    return terms, where
+
+
+def _gathered_expr(wait: fx.Node, shards_in: fx.Node, sizes: _Sizes) -> sympy.Expr:
+    params = sizes.of_sites(_meta(wait).get("params", []))
+    return sizes.matching(int(wait.meta["val"].numel()), [N * sympy.Add(*(shard(p.count) for p in params))])
+
+
+def _column_expr(clone: fx.Node, sizes: _Sizes) -> sympy.Expr:
+    params = sizes.of_sites(_meta(clone).get("params", []))
+    numel = int(clone.meta["val"].numel())
+    piece = clone.args[0]
+    if isinstance(piece, fx.Node) and piece.target is operator.getitem and piece.args[1] < len(params):
+        params = [params[piece.args[1]]] + params
+    return sizes.matching(numel, [N * shard(p.count) for p in params])
+
+
+def saved_activations(forward: fx.GraphModule, sizes: _Sizes) -> list[Term]:
+    """Forward outputs saved for backward that are not graph inputs (those are parameters or the batch)."""
+    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+
+    output = next(iter(forward.graph.find_nodes(op="output")))
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    terms = []
+    for value, desc in zip(values, output.meta.get("desc", [None] * len(values))):
+        if not isinstance(desc, SavedForBackwardsAOTOutput) or not isinstance(value, fx.Node):
+            continue
+        tensor = value.meta.get("val")
+        if value.op == "placeholder" or not isinstance(tensor, torch.Tensor):
+            continue
+        elements, dims = _numel_expr(tensor)
+        sizes.values.update(dims)
+        terms.append(Term("step", "activations", elements, sympy.Integer(tensor.element_size()), f"forward: {value.name}"))
+    return terms
+
+
+def gradient_terms(backward: fx.GraphModule, params: dict[int, _Param], sizes: _Sizes) -> list[Term]:
+    """The backward graph's output gradient of each trainable leaf: full (ψ) or a shard (ceiling(ψ/N))."""
+    output = next(iter(backward.graph.find_nodes(op="output")))
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    terms = []
+    for value, desc in zip(values, output.meta.get("desc", [None] * len(values))):
+        idx = getattr(getattr(desc, "grad_of", None), "idx", None)
+        if idx not in params or not isinstance(value, fx.Node):
+            continue
+        param, tensor = params[idx], value.meta["val"]
+        elements = sizes.matching(int(tensor.numel()), [param.count, shard(param.count)])
+        terms.append(Term("memory", "gradients", elements, _width(tensor, B_GRAD, sizes.values), f"backward: {value.name}"))
+    return terms
+
+
+# -- the step: graphs + optimizer ---------------------------------------------------------------------------
+
+
+def _names_from_model(model) -> dict[tuple, str]:
+    """(use sites...) -> the name prepare gave the parameter, for tied parameters read at several sites."""
+    from .prepare import spec_of
+
+    if model is None:
+        return {}
+    names = {}
+    by_id: dict[int, list[str]] = {}
+    for site, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(site)
+    for module_path, module in model.named_modules(remove_duplicate=False):
+        for attr, spec in getattr(module, "_fxshard_specs", {}).items():
+            site = f"{module_path}.{attr}" if module_path else attr
+            names[(site,)] = spec.name
+    for sites in by_id.values():
+        for site in sites:
+            names.setdefault((site,), sites[0])
+    return names
+
+
+def _rename(params: dict[int, _Param], names: dict[tuple, str], optimizer) -> None:
+    for param in params.values():
+        if param.sites:
+            param.name = names.get((param.sites[0],), param.name)
+    plain = [p for p in params.values() if p.reads == "plain"]
+    if plain and optimizer is not None:  # no markers: name the graph's inputs after the specs, matched by shape
+        from .prepare import spec_of
+
+        specs = [spec_of(p) for g in optimizer.param_groups for p in g["params"]]
+        for param in plain:
+            match = next((s for s in specs if s is not None and s.numel == param.numel), None)
+            if match is not None:
+                specs.remove(match)
+                param.name = match.name
+                param.sites = [match.name]
+
+
+def step_records(records) -> dict[int, dict]:
+    """The backend's graph records grouped by Dynamo graph: {graph_id: {"joint": <graph before passes>, ...}}."""
+    steps: dict[int, dict] = {}
+    for record in records:
+        if record.final is None:
+            continue
+        graphs = steps.setdefault(record.graph_id, {})
+        graphs[record.kind] = record.passes[0].before if record.kind == "joint" and record.passes else record.final
+    return steps
+
+
+def optimizer_terms(optimizer, params: list[_Param], model_leaves: set[int], sizes: _Sizes) -> tuple[list, list, list]:
+    """The master copy and state the optimizer keeps, the optimizer step's collectives, and the compute copies
+    mixed precision would add where the graph reads the master itself."""
+    from .prepare import spec_of
+
+    by_name = {p.name: p for p in params}
+    memory, comm, copies = [], [], []
+    for group in optimizer.param_groups:
+        kinds = optimizer_state_kinds(type(optimizer).__name__, group)
+        for tensor in group["params"]:
+            spec = spec_of(tensor)
+            if spec is None or not tensor.requires_grad:
+                continue
+            param = by_name.get(spec.name)
+            count = psi(spec.name) if param is None else param.count
+            sizes.values.setdefault(count, spec.numel)
+            is_shard = tensor.numel() == spec.chunk and spec.chunk != spec.numel
+            elements = shard(count) if is_shard else count
+            source = f"optimizer: {spec.name}"
+            memory.append(Term("memory", "master", elements, _width(tensor, B_MASTER, sizes.values), source))
+            for kind in kinds:
+                memory.append(Term("memory", kind, elements, _width(tensor, B_STATE, sizes.values), source))
+            reads = param.reads if param is not None else "local"
+            if reads in ("local", "gathered"):  # the graph reads the master: mixed precision adds a compute copy
+                read = count if reads == "local" else shard(count)
+                copies.append(Term("memory", "compute copy", read, B_PARAM, f"graph reads {spec.name}"))
+            elif is_shard:  # the graph reads a full copy the update must refresh: one all-gather per parameter
+                comm.append(Term("comm", "all_gather", shard(count), _width(tensor, B_PARAM, sizes.values),
+                                 f"optimizer step: {spec.name}", calls=1, unit=spec.name))
+                if id(tensor) not in model_leaves:  # gradients arrive full on the graph's parameter, not on the shard
+                    comm.append(Term("comm", "reduce_scatter", N * shard(count), _width(tensor, B_GRAD, sizes.values),
+                                     f"optimizer step: {spec.name}", calls=1, unit=spec.name))
+    return memory, comm, copies
+
+
+def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) -> Ledger:
+    """The ledger of one training step: every forward/backward pair the backend compiled, plus the optimizer.
+
+    Several Dynamo graphs (graph breaks) add their terms; a graph id without a backward (an inference graph)
+    contributes only its collectives to the schedule."""
+    names = _names_from_model(model)
+    model_leaves = {id(p) for p in model.parameters()} if model is not None else set()
+    terms, schedule, copies = [], [], []
+    all_params: dict[str, _Param] = {}
+    sizes = None
+    for graph_id, graphs in sorted(step_records(records).items()):
+        if "joint" not in graphs or "forward" not in graphs or "backward" not in graphs:
+            continue
+        params = parameters_of_joint(graphs["joint"])
+        _rename(params, names, optimizer)
+        all_params.update({p.name: p for p in params.values()})
+        sizes = _Sizes(all_params.values(), world_size) if sizes is None else _merge(sizes, params.values())
+        for param in params.values():
+            if param.reads in ("resident", "plain"):  # a full copy the graph reads, not what the optimizer updates
+                terms.append(Term("memory", "compute copy", param.count, B_PARAM, f"graph {graph_id} reads {param.name}"))
+            if optimizer is None and param.reads in ("local", "gathered"):
+                read = param.count if param.reads == "local" else shard(param.count)
+                terms.append(Term("memory", "master", read, B_MASTER, f"graph {graph_id}: {param.name}"))
+        terms += gradient_terms(graphs["backward"], params, sizes)
+        terms += saved_activations(graphs["forward"], sizes)
+        peaks = []
+        for kind in ("forward", "backward"):
+            comm, rows = collective_terms(graphs[kind], f"graph {graph_id} {kind}", sizes)
+            terms += comm
+            schedule += rows
+            peaks.append(gathered_peak(graphs[kind], f"graph {graph_id} {kind}", sizes))
+        terms += max(peaks, key=lambda p: sum(sizes_at(t.bytes, sizes.values) for t in p[0]))[0]
+    if sizes is None:
+        raise FxShardError("no forward/backward graph was compiled yet: run one training step (forward and "
+                           "backward) through torch.compile(model, backend=backend) before asking for the ledger")
+    for param in all_params.values():
+        sizes.values.setdefault(param.count, param.numel)
+    if optimizer is not None:
+        memory, comm, copies = optimizer_terms(optimizer, list(all_params.values()), model_leaves, sizes)
+        terms += memory + comm
+        schedule += [{"graph": "optimizer step", "position": i, "collective": t.item, "unit": t.unit,
+                      "params": [t.unit], "node": "-", "bytes": sizes_at(t.bytes, sizes.values)}
+                     for i, t in enumerate(comm)]
+    for width in WIDTHS:
+        sizes.values.setdefault(width, 4)
+    params_by_name = {p.name: p.count for p in all_params.values()}
+    return Ledger(terms, sizes.values, params_by_name, copies, schedule)
+
+
+def _merge(sizes: _Sizes, params) -> _Sizes:
+    for p in params:
+        sizes.params[p.name] = p
+        for site in p.sites or [p.name]:
+            sizes.by_site[site] = p
+        sizes.values[p.count] = p.numel
+    return sizes
+
+
+def sizes_at(expr: sympy.Expr, values: dict) -> int:
+    return int(sympy.sympify(expr).subs(values))
+
+
+def ledger(backend) -> Ledger:
+    """The ledger of a backend's compiled step (``backend.prepare`` and one forward/backward run first)."""
+    from .prepare import spec_of
+
+    if backend.model is None:
+        raise FxShardError("the backend has no prepared model: call `model, opt = backend.prepare(model, opt)` and "
+                           "run a step through torch.compile(model, backend=backend) first")
+    specs = [spec_of(p) for p in backend.model.parameters()]
+    world = next((s.world_size for s in specs if s is not None), 1)
+    return ledger_of_graphs(backend.graphs, world_size=world, optimizer=backend.optimizer, model=backend.model)
