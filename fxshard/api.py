@@ -19,7 +19,8 @@ from fxshard.passes.context import KNOBS
 
 from .errors import FxShardError
 from .pipeline import GraphRecord, Pass, run_passes
-from .prepare import grad_sync_of, shard_optimizer_over, shard_parameters, spec_of
+from .optim import clip_grad_norm_, shard_optimizer_over
+from .prepare import grad_sync_of, shard_parameters, spec_of
 
 STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
@@ -102,10 +103,20 @@ class Backend:
         """Shard ``model``'s parameters over the group in place; returns ``(model, optimizer over the shards)``."""
         if not isinstance(model, nn.Module):
             raise FxShardError(f"prepare takes an nn.Module, got {type(model).__name__}")
-        leaves, grad_sync = shard_parameters(model, self.stage, self.group)
+        leaves, grad_sync = shard_parameters(model, self.stage, self.group, self.knobs.get("param_dtype"),
+                                             self.knobs.get("reduce_dtype"))
         self.model = model
         self.optimizer = None if optimizer is None else shard_optimizer_over(optimizer, leaves, grad_sync)
         return model, self.optimizer
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the prepared optimizer's gradients by the norm of the whole model's averaged gradient, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns that norm. Every rank must call it, between
+        backward and ``optimizer.step()``. (torch's own function would see only this rank's shards in stages 1-3,
+        or gradients not yet averaged in stage 1 and under ``no_sync``.)"""
+        if self.optimizer is None:
+            raise FxShardError("clip_grad_norm_ needs the optimizer: call backend.prepare(model, optimizer) first")
+        return clip_grad_norm_(self.optimizer, max_norm, norm_type)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):

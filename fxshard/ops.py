@@ -13,7 +13,11 @@ of layout made by ``prepare``:
 - ``resident`` is a full copy kept between steps (stage 2), or None when the full value must be gathered from
   the shards (stage 3) or is ``local`` itself (stage 0);
 - ``fqn`` names the parameter at its use site (``"blocks.0.attn.qkv.weight"``): the passes group markers into
-  units by its module part. A tied parameter used by two modules gets one marker per use site.
+  units by its module part. A tied parameter used by two modules gets one marker per use site;
+- ``compute_dtype`` (mixed precision) is the dtype the full value is computed in: a shard is cast before it is
+  gathered, so the all-gather moves compute-dtype bytes; ``reduce_dtype`` is the dtype a gradient is reduced in,
+  and the reduced gradient comes back in ``grad_dtype``, the dtype of what this rank trains (the fp32 master).
+  None means "the tensor's own dtype": no cast.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ def _flat_padded(full: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, padding)) if padding else flat.contiguous()
 
 
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+
 @torch.library.custom_op("fxshard::unshard", mutates_args=())
 def unshard(
     local: torch.Tensor,
@@ -42,46 +50,63 @@ def unshard(
     group_name: str,
     fqn: str,
     grad_reduction: str,
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The parameter in its full shape: the resident copy, the full ``local`` itself, or the gathered shards."""
     if resident is not None:
-        return resident.clone()
+        return _cast(resident, compute_dtype).clone()
     if grad_reduction != "reduce_scatter":
-        return local.clone()
-    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(local.contiguous(), world_size, group_name))
+        return _cast(local, compute_dtype).clone()
+    shard = _cast(local, compute_dtype).contiguous()
+    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world_size, group_name))
     return gathered[: math.prod(full_shape)].view(full_shape).clone()
 
 
 @unshard.register_fake
-def _(local, resident, full_shape, world_size, group_name, fqn, grad_reduction):
-    return local.new_empty(full_shape)
+def _(local, resident, full_shape, world_size, group_name, fqn, grad_reduction, compute_dtype=None, reduce_dtype=None):
+    return local.new_empty(full_shape, dtype=compute_dtype or (local if resident is None else resident).dtype)
 
 
 @torch.library.custom_op("fxshard::reduce_grad", mutates_args=())
-def reduce_grad(full_grad: torch.Tensor, world_size: int, group_name: str, fqn: str, grad_reduction: str) -> torch.Tensor:
+def reduce_grad(
+    full_grad: torch.Tensor,
+    world_size: int,
+    group_name: str,
+    fqn: str,
+    grad_reduction: str,
+    reduce_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Average a full-shape gradient over the ranks: this rank's flat shard of it, or all of it (or keep it local)."""
+    grad = _cast(full_grad, reduce_dtype)
     if grad_reduction == "none":
-        return full_grad.contiguous().clone()
-    if grad_reduction == "all_reduce":
-        return _c10d.wait_tensor(_c10d.all_reduce(full_grad.contiguous(), "avg", group_name))
-    flat = _flat_padded(full_grad, world_size)
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "avg", world_size, group_name))
+        reduced = grad.contiguous().clone()
+    elif grad_reduction == "all_reduce":
+        reduced = _c10d.wait_tensor(_c10d.all_reduce(grad.contiguous(), "avg", group_name))
+    else:
+        flat = _flat_padded(grad, world_size)
+        reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "avg", world_size, group_name))
+    return _cast(reduced, grad_dtype)
 
 
 @reduce_grad.register_fake
-def _(full_grad, world_size, group_name, fqn, grad_reduction):
+def _(full_grad, world_size, group_name, fqn, grad_reduction, reduce_dtype=None, grad_dtype=None):
+    dtype = grad_dtype or reduce_dtype or full_grad.dtype
     if grad_reduction != "reduce_scatter":
-        return torch.empty_like(full_grad, memory_format=torch.contiguous_format)
-    return full_grad.new_empty(-(-full_grad.numel() // world_size))
+        return torch.empty_like(full_grad, dtype=dtype, memory_format=torch.contiguous_format)
+    return full_grad.new_empty(-(-full_grad.numel() // world_size), dtype=dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output):
-    _, _, _, ctx.world_size, ctx.group_name, ctx.fqn, ctx.grad_reduction = inputs
+    local, _, _, ctx.world_size, ctx.group_name, ctx.fqn, ctx.grad_reduction, _, ctx.reduce_dtype = inputs
+    ctx.local_dtype = local.dtype
 
 
 def _unshard_backward(ctx, grad_full):
-    grad_local = reduce_grad(grad_full, ctx.world_size, ctx.group_name, ctx.fqn, ctx.grad_reduction)
-    return grad_local, None, None, None, None, None, None
+    grad_local = reduce_grad(grad_full, ctx.world_size, ctx.group_name, ctx.fqn, ctx.grad_reduction,
+                             ctx.reduce_dtype, ctx.local_dtype)
+    return grad_local, None, None, None, None, None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

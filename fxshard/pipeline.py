@@ -34,7 +34,13 @@ class GraphRecord:
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     with warnings.catch_warnings():  # torch 2.13's pytree warns about its own LeafSpec while copying codegen
         warnings.simplefilter("ignore", FutureWarning)
-        return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        graph = copy.deepcopy(gm.graph)
+    # Copying a graph copies each node's meta shallowly: without this, a later pass that updates a node's
+    # meta["fxshard"] record would rewrite the history of every earlier pass.
+    for node in graph.nodes:
+        if "fxshard" in node.meta:
+            node.meta["fxshard"] = copy.deepcopy(node.meta["fxshard"])
+    return fx.GraphModule(gm, graph)
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], record: GraphRecord) -> fx.GraphModule:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -29,20 +28,8 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import FxShardError
-from .ops import reduce_grad, unshard
+from .ops import unshard
 from .sharding import ShardSpec, shard_of
-
-# Optimizers whose update is elementwise, so running them on flat shards equals running them on full tensors.
-ELEMENTWISE_OPTIMIZERS = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.Adamax,
-    torch.optim.RMSprop,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-)
 
 _SPECS = "_fxshard_specs"  # module attribute: {parameter attribute name: ShardSpec}
 _PATH = "_fxshard_path"  # module attribute: the module's qualified name in the prepared model
@@ -64,13 +51,16 @@ def grad_sync_of(model: nn.Module) -> GradSync:
             return getattr(module, _GRAD_SYNC)
     raise FxShardError("this model was not prepared; call backend.prepare(model, optimizer) first")
 
-_SPEC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # trainable leaf (or stage-1 master shard) -> ShardSpec
-_RESIDENT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-2 shard leaf -> its resident full copy
+SPEC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # trainable leaf (or stage-1 master shard) -> ShardSpec
+RESIDENT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-2 shard leaf -> its resident full copy
+MASTER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-1 full parameter -> its master shard
+REPLACED_BY_SHARD: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stages 2, 3: parameter prepare replaced -> its shard leaf
+GRAD_SYNC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-0 parameter -> its model's GradSync
 
 
 def spec_of(param: torch.Tensor) -> ShardSpec | None:
     """The ShardSpec of a leaf laid out by ``prepare``, or None for any other tensor."""
-    return _SPEC_OF.get(param)
+    return SPEC_OF.get(param)
 
 
 def is_prepared(model: nn.Module) -> bool:
@@ -92,7 +82,8 @@ def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
     grad_reduction = spec.grad_reduction
     if spec.stage == 0 and not getattr(module, _GRAD_SYNC).enabled:  # Dynamo guards on it: one graph per setting
         grad_reduction = "none"
-    return unshard(local, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, grad_reduction)
+    return unshard(local, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, grad_reduction,
+                   spec.param_dtype, spec.reduce_dtype)
 
 
 @functools.cache
@@ -101,23 +92,55 @@ def _accessor_class(cls: type, names: tuple[str, ...]) -> type:
     return type(f"FxShard{cls.__name__}", (cls,), {**accessors, "__module__": cls.__module__})
 
 
+def gather_full(shard: torch.Tensor, spec: ShardSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full-shape value of a flat shard (a collective: every rank of the group must call it), in ``dtype``
+    (cast before the gather, so it moves ``dtype`` bytes) or the shard's own."""
+    return unshard(shard.detach(), None, list(spec.full_shape), spec.world_size, spec.group_name, spec.name,
+                   "reduce_scatter", dtype)
+
+
+def _full_value(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """What ``state_dict()`` holds for a parameter: its full shape in the dtype it trains in (the fp32 master under
+    mixed precision), without padding."""
+    if spec.trains_shard:
+        return gather_full(param, spec)
+    master = MASTER_OF.get(param)
+    if master is not None and master.dtype != param.dtype:  # stage 1 computes in a lower precision than it trains
+        return gather_full(master, spec)
+    return param.detach()
+
+
 def _state_dict_full(module, state_dict, prefix, local_metadata):
-    # Stage 3 gathers here: a collective, so every rank must call state_dict() (as with FSDP's full state dict).
-    with torch.no_grad():
-        for name in getattr(module, _SPECS):
-            if prefix + name in state_dict:
-                state_dict[prefix + name] = _read_unsharded(module, name).detach()
+    # Gathering is a collective, so every rank must call state_dict() (as with FSDP's full state dict).
+    for name, spec in getattr(module, _SPECS).items():
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = _full_value(module._parameters[name], spec)
 
 
 def _load_state_dict_shard(module, state_dict, prefix, *args):
     for name, spec in getattr(module, _SPECS).items():
         key = prefix + name
-        if key in state_dict:
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        with torch.no_grad():
+            master = MASTER_OF.get(module._parameters[name])
+            if master is not None:  # stage 1: the master takes the full precision, the parameter a cast copy
+                master.copy_(shard_of(value, spec))
             resident = module._buffers.get(_RESIDENT + name)
             if resident is not None:
-                with torch.no_grad():
-                    resident.copy_(state_dict[key])
-            state_dict[key] = shard_of(state_dict[key], spec)
+                resident.copy_(value)
+        if spec.trains_shard:
+            state_dict[key] = shard_of(value, spec)
+
+
+def _cast_floating_inputs(dtype: torch.dtype, module, args, kwargs):
+    """Mixed precision: floating-point inputs of the model enter in the compute dtype (FSDP2's
+    ``cast_forward_inputs``), so a float input meets weights of its own dtype."""
+    def cast(value):
+        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+
+    return torch.utils._pytree.tree_map(cast, (args, kwargs))
 
 
 def _resolve_group(group):
@@ -129,13 +152,49 @@ def _resolve_group(group):
     return group if group is not None else dist.group.WORLD
 
 
+@torch.no_grad()
+def _broadcast_from_first_rank(model: nn.Module, group) -> None:
+    """Every rank starts from the first rank's parameters and buffers, as DDP and FSDP's ``sync_module_states`` do:
+    ranks that initialised with different seeds would otherwise train a patchwork (stage 3) or drift apart
+    (stages 0, 1) without any error."""
+    source = dist.get_global_rank(group, 0)
+    tensors = list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+    for tensor in tensors:
+        dist.broadcast(tensor.data, src=source, group=group)
+
+
 def _leaf_for(param: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
     if not spec.trains_shard:
         return param
     return nn.Parameter(shard_of(param, spec), requires_grad=param.requires_grad)
 
 
-def shard_parameters(model: nn.Module, stage: int, group=None) -> tuple[dict[int, nn.Parameter], GradSync]:
+def _lay_out(param: nn.Parameter, spec: ShardSpec, grad_sync: GradSync) -> nn.Parameter:
+    """The trainable leaf of ``param`` under ``spec`` and, by stage, the tensors around it (registered here)."""
+    leaf = _leaf_for(param, spec)
+    SPEC_OF[leaf] = spec
+    if leaf is not param:
+        REPLACED_BY_SHARD[param] = leaf
+    if spec.stage == 0:
+        GRAD_SYNC_OF[leaf] = grad_sync
+    elif spec.stage == 1:  # the optimizer updates a flat shard in the parameter's own precision
+        master = nn.Parameter(shard_of(param, spec), requires_grad=param.requires_grad)
+        SPEC_OF[master] = spec
+        MASTER_OF[param] = master
+        if spec.param_dtype is not None:
+            param.data = param.data.to(spec.param_dtype)
+    elif spec.stage == 2:  # the full storage stays on as the resident copy, in the compute dtype
+        RESIDENT_OF[leaf] = param.detach().to(spec.param_dtype or param.dtype)
+    return leaf
+
+
+def shard_parameters(
+    model: nn.Module,
+    stage: int,
+    group=None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> tuple[dict[int, nn.Parameter], GradSync]:
     """Lay out every parameter of ``model`` for ``stage``, in place; returns {id(original param): trainable leaf}
     and the model's GradSync."""
     if is_prepared(model) or any(spec_of(p) is not None for p in model.parameters()):
@@ -144,130 +203,29 @@ def shard_parameters(model: nn.Module, stage: int, group=None) -> tuple[dict[int
     model.__dict__[_GRAD_SYNC] = grad_sync
     group = _resolve_group(group)
     world_size, rank, group_name = dist.get_world_size(group), dist.get_rank(group), group.group_name
+    _broadcast_from_first_rank(model, group)
     leaves: dict[int, nn.Parameter] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         owned = {n: p for n, p in module._parameters.items() if p is not None}
         if not owned or hasattr(module, _SPECS):
             continue
-        specs = {}
         for name, param in owned.items():
             if id(param) not in leaves:
-                spec = ShardSpec(f"{path}.{name}" if path else name, tuple(param.shape), world_size, rank, group_name,
-                                 stage)
-                leaf = leaves[id(param)] = _leaf_for(param, spec)
-                _SPEC_OF[leaf] = spec
-                if stage == 2:  # the full storage stays on as the resident copy
-                    _RESIDENT_OF[leaf] = param.detach()
-            leaf = leaves[id(param)]
-            specs[name] = _SPEC_OF[leaf]
-            if stage == 1:
-                continue
-            module._parameters[name] = leaf
-            if stage == 2:
-                module.register_buffer(_RESIDENT + name, _RESIDENT_OF[leaf], persistent=False)
-        if stage == 1:
-            continue
-        setattr(module, _SPECS, specs)
+                spec = ShardSpec(f"{path}.{name}" if path else name, tuple(param.shape), world_size, rank,
+                                 group_name, stage, param_dtype, reduce_dtype)
+                leaves[id(param)] = _lay_out(param, spec, grad_sync)
+        setattr(module, _SPECS, {name: SPEC_OF[leaves[id(param)]] for name, param in owned.items()})
         setattr(module, _PATH, path)
-        module.__dict__[_GRAD_SYNC] = grad_sync
-        module.__class__ = _accessor_class(type(module), tuple(owned))
         module.register_state_dict_post_hook(_state_dict_full)
         module.register_load_state_dict_pre_hook(_load_state_dict_shard)
-    return leaves, grad_sync
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter]) -> None:
-    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
-        supported = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        raise FxShardError(
-            f"{type(optimizer).__name__} is not supported: fxshard runs the optimizer on flat parameter shards, "
-            f"which is exact only for elementwise optimizers ({supported}); use one of those"
-        )
-    for group in optimizer.param_groups:
-        missing = [p for p in group["params"] if id(p) not in leaves]
-        if missing:
-            raise FxShardError(
-                f"the optimizer holds {len(missing)} tensor(s) that are not parameters of the prepared model "
-                f"(shapes {[list(p.shape) for p in missing][:3]}); build the optimizer over model.parameters()"
-            )
-
-
-def _master_shard(param: nn.Parameter) -> nn.Parameter:
-    """Stage 1: the fp32 flat shard of a full parameter that the optimizer updates."""
-    spec = spec_of(param)
-    master = nn.Parameter(shard_of(param, spec), requires_grad=param.requires_grad)
-    _SPEC_OF[master] = spec
-    return master
-
-
-def _gather_into(full: torch.Tensor, shard: torch.Tensor, spec: ShardSpec) -> None:
-    gathered = unshard(shard.detach(), None, list(spec.full_shape), spec.world_size, spec.group_name, spec.name,
-                       "reduce_scatter")
-    full.detach().copy_(gathered)
-
-
-def shard_optimizer_over(
-    optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter], grad_sync: GradSync
-) -> torch.optim.Optimizer:
-    """A new optimizer of the same class and hyperparameters over what this rank updates (shard leaves, master
-    shards for stage 1, full parameters for stage 0), existing state laid out the same way.
-
-    Optimizers carry step hooks where a stage needs them: stage 0 all-reduces gradients that ``no_sync`` kept
-    local; stage 1 reduce-scatters the full gradients into the master shards
-    before the update (the parameters' ``.grad`` is then None) and all-gathers the masters into the parameters
-    after it; stage 2 all-gathers the updated shards into the resident full copies.
-    """
-    _check_optimizer(optimizer, leaves)
-    stage = spec_of(next(iter(leaves.values()))).stage if leaves else 3
-    updated = {key: _master_shard(leaf) if stage == 1 else leaf for key, leaf in leaves.items()}
-    groups = [{**group, "params": [updated[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
-    # Every group carries all its hyperparameters; defaults go to the constructor as far as it names them.
-    accepted = inspect.signature(type(optimizer)).parameters
-    sharded = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-    for param, state in optimizer.state.items():
-        target = updated[id(param)]
-        spec = spec_of(target)
-        sharded.state[target] = {
-            key: shard_of(value, spec)
-            if stage >= 1 and torch.is_tensor(value) and tuple(value.shape) == spec.full_shape else value
-            for key, value in state.items()
-        }
-    if stage == 0:
-        sharded.register_step_pre_hook(functools.partial(_all_reduce_local_grads, list(leaves.values()), grad_sync))
-    elif stage == 1:
-        pairs = [(leaves[key], master) for key, master in updated.items() if master.requires_grad]
-        sharded.register_step_pre_hook(functools.partial(_reduce_scatter_grads, pairs))
-        sharded.register_step_post_hook(functools.partial(_gather_updated, pairs))
-    elif stage == 2:
-        residents = [(_RESIDENT_OF[leaf], leaf) for leaf in leaves.values() if leaf.requires_grad]
-        sharded.register_step_post_hook(functools.partial(_gather_updated, residents))
-    return sharded
-
-
-@torch.no_grad()
-def _all_reduce_local_grads(params, grad_sync: GradSync, optimizer, args, kwargs) -> None:
-    # Averaging is idempotent on gradients that were already reduced, so a synced last micro-batch stays exact.
-    if not grad_sync.local_grads_pending:
-        return
-    for param in params:
-        if param.grad is not None:
-            spec = spec_of(param)
-            param.grad = reduce_grad(param.grad, spec.world_size, spec.group_name, spec.name, "all_reduce")
-    grad_sync.local_grads_pending = False
-
-
-@torch.no_grad()
-def _reduce_scatter_grads(pairs, optimizer, args, kwargs) -> None:
-    for full, master in pairs:
-        if full.grad is None:
-            master.grad = None
+        if stage == 1:  # no marker: the parameters stay the leaves, read directly
             continue
-        spec = spec_of(master)
-        master.grad = reduce_grad(full.grad, spec.world_size, spec.group_name, spec.name, "reduce_scatter")
-        full.grad = None  # the master shard now carries it; full grads are freed as ZeRO-1 promises
-
-
-@torch.no_grad()
-def _gather_updated(pairs, optimizer, args, kwargs) -> None:
-    for full, shard in pairs:
-        _gather_into(full, shard, spec_of(shard))
+        for name, param in owned.items():
+            module._parameters[name] = leaves[id(param)]
+            if stage == 2:
+                module.register_buffer(_RESIDENT + name, RESIDENT_OF[leaves[id(param)]], persistent=False)
+        module.__dict__[_GRAD_SYNC] = grad_sync
+        module.__class__ = _accessor_class(type(module), tuple(owned))
+    if param_dtype is not None:
+        model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
+    return leaves, grad_sync

@@ -34,6 +34,8 @@ class ShardSpec:
     rank: int
     group_name: str
     stage: int
+    param_dtype: torch.dtype | None = None  # mixed precision: the dtype forward and backward compute in
+    reduce_dtype: torch.dtype | None = None  # mixed precision: the dtype gradients are averaged in
 
     @property
     def trains_shard(self) -> bool:

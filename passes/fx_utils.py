@@ -7,14 +7,23 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 
+ROOT_UNIT = "root"
+
+
 def unit_of(fqn: str) -> str:
-    """The module that uses a parameter: ``"blocks.0.attn.qkv.weight"`` -> ``"blocks.0.attn.qkv"``."""
-    return fqn.rpartition(".")[0]
+    """The module that uses a parameter: ``"blocks.0.attn.qkv.weight"`` -> ``"blocks.0.attn.qkv"``; a parameter of
+    the model itself (``"scale"``) belongs to the unit ``"root"``."""
+    return fqn.rpartition(".")[0] or ROOT_UNIT
 
 
 def marker_args(node: fx.Node) -> dict:
-    """A marker node's arguments by their schema names (``local``, ``resident``, ``fqn``, ``grad_reduction``...)."""
-    return {arg.name: value for arg, value in zip(node.target._schema.arguments, node.args)}
+    """A marker node's arguments by their schema names (``local``, ``resident``, ``fqn``, ``grad_reduction``...),
+    defaults filled in."""
+    schema = node.target._schema.arguments
+    values = {arg.name: arg.default_value for arg in schema if arg.has_default_value()}
+    values.update({arg.name: value for arg, value in zip(schema, node.args)})
+    values.update(node.kwargs)
+    return values
 
 
 def fxshard_meta(node: fx.Node) -> dict:

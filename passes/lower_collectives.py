@@ -38,6 +38,7 @@ from .context import PassContext
 from .fx_utils import fxshard_meta, marker_args, position, refresh_fake_values, unit_of
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
 
 
@@ -78,11 +79,24 @@ def _replace_marker(graph: fx.Graph, marker: fx.Node, value: fx.Node) -> None:
     graph.erase_node(marker)
 
 
+def _cast(emit: _Emitter, value: fx.Node, dtype: torch.dtype | None, current: torch.dtype | None = None) -> fx.Node:
+    """``value`` (whose dtype is ``current``, or its ``meta["val"]``'s) in ``dtype`` (mixed precision), or ``value``
+    itself when no cast is needed."""
+    if dtype is None or (current or value.meta["val"].dtype) == dtype:
+        return value
+    cast = emit("cast", prims.convert_element_type.default, value, dtype)
+    if "val" in value.meta:  # later lowering steps read the cast value's layout
+        cast.meta["val"] = value.meta["val"].to(dtype)
+    return cast
+
+
 def _read_full(graph: fx.Graph, marker: fx.Node) -> None:
     args = marker_args(marker)
     full = args["resident"] if args["resident"] is not None else args["local"]
     fxshard_meta(full).update(unit=unit_of(args["fqn"]), role="resident", params=[args["fqn"]])
-    _replace_marker(graph, marker, full)
+    with graph.inserting_before(marker):
+        value = _cast(_Emitter(graph, unit_of(args["fqn"]), [args["fqn"]]), full, marker.meta["val"].dtype)
+    _replace_marker(graph, marker, value)
 
 
 def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
@@ -96,7 +110,9 @@ def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassC
     if order[latest_input] > order[anchor]:
         anchor = latest_input.next
     with graph.inserting_before(anchor):
-        flat = shards[0] if len(shards) == 1 else emit("copy_in", aten.cat.default, shards)
+        dtype = markers[0].meta["val"].dtype  # the compute dtype: shards are cast before they travel
+        cast = [_cast(emit, shard, dtype) for shard in shards]
+        flat = cast[0] if len(cast) == 1 else emit("copy_in", aten.cat.default, cast)
         gathered = emit("all_gather", c10d.all_gather_into_tensor.default, flat, world, ctx.group_name)
         gathered = emit("wait", c10d.wait_tensor.default, gathered)
         if len(shards) > 1:
@@ -126,10 +142,16 @@ def _split_late_consumers(graph: fx.Graph, markers: list[fx.Node]) -> list[list[
     return [together] + [[m] for m in markers if m not in together] if together else [[m] for m in markers]
 
 
-def _flat(emit: _Emitter, grad: fx.Node) -> fx.Node:
+def _flat(emit: _Emitter, marker: fx.Node) -> fx.Node:
+    """A ``reduce_grad`` marker's gradient as a flat, contiguous tensor in the dtype it is reduced in."""
+    grad = _cast(emit, marker.args[0], marker_args(marker)["reduce_dtype"])
     if not grad.meta["val"].is_contiguous():
         grad = emit("copy_in", aten.clone.default, grad)
     return grad if grad.meta["val"].dim() == 1 else emit("copy_in", aten.view.default, grad, [-1])
+
+
+def _reduce_dtype(marker: fx.Node) -> torch.dtype:
+    return marker_args(marker)["reduce_dtype"] or marker.args[0].meta["val"].dtype
 
 
 def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
@@ -137,7 +159,7 @@ def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], ctx: PassConte
     chunks = [m.meta["val"].numel() for m in markers]
     rows = []
     for marker, chunk in zip(markers, chunks):
-        flat = _flat(emit, marker.args[0])
+        flat = _flat(emit, marker)
         padding = chunk * world - marker.args[0].meta["val"].numel()
         if padding:
             flat = emit("copy_in", aten.constant_pad_nd.default, flat, [0, padding])
@@ -146,23 +168,26 @@ def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], ctx: PassConte
     reduced = emit("reduce_scatter", c10d.reduce_scatter_tensor.default, buffer, "avg", world, ctx.group_name)
     reduced = emit("wait", c10d.wait_tensor.default, reduced)
     if len(markers) == 1:
-        return [reduced]
+        return [_cast(emit, reduced, markers[0].meta["val"].dtype, _reduce_dtype(markers[0]))]
     split = emit("copy_out", aten.split_with_sizes.default, reduced, chunks)
-    return [emit("copy_out", operator.getitem, split, i, name=f"{marker_args(m)['fqn']}_grad") for i, m in enumerate(markers)]
+    grads = [emit("copy_out", operator.getitem, split, i, name=f"{marker_args(m)['fqn']}_grad")
+             for i, m in enumerate(markers)]
+    return [_cast(emit, grad, m.meta["val"].dtype, _reduce_dtype(m)) for grad, m in zip(grads, markers)]
 
 
 def _lower_all_reduce(emit: _Emitter, markers: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
-    flats = [_flat(emit, m.args[0]) for m in markers]
+    flats = [_flat(emit, m) for m in markers]
     buffer = flats[0] if len(flats) == 1 else emit("copy_in", aten.cat.default, flats)
     reduced = emit("all_reduce", c10d.all_reduce.default, buffer, "avg", ctx.group_name)
     reduced = emit("wait", c10d.wait_tensor.default, reduced)
     sizes = [m.meta["val"].numel() for m in markers]
     split = emit("copy_out", aten.split_with_sizes.default, reduced, sizes) if len(markers) > 1 else None
-    return [
+    grads = [
         emit("copy_out", aten.view.default, reduced if split is None else emit("copy_out", operator.getitem, split, i),
              list(m.meta["val"].shape), name=f"{marker_args(m)['fqn']}_grad")
         for i, m in enumerate(markers)
     ]
+    return [_cast(emit, grad, m.meta["val"].dtype, _reduce_dtype(m)) for grad, m in zip(grads, markers)]
 
 
 def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
@@ -193,10 +218,14 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     reduces = []
     for marker in list(graph.find_nodes(op="call_function", target=REDUCE_GRAD)):
         if marker_args(marker)["grad_reduction"] == "none":  # no_sync: the gradient stays local
-            _replace_marker(graph, marker, marker.args[0])
+            args = marker_args(marker)
+            with graph.inserting_before(marker):
+                emit = _Emitter(graph, unit_of(args["fqn"]), [args["fqn"]])
+                _replace_marker(graph, marker, _cast(emit, marker.args[0], marker.meta["val"].dtype))
         else:
             reduces.append(marker)
-    for (unit, *_), markers in _unit_groups(reduces, key=lambda m: (marker_args(m)["grad_reduction"],)).items():
+    by_reduction = _unit_groups(reduces, key=lambda m: (marker_args(m)["grad_reduction"], _reduce_dtype(m)))
+    for (unit, *_), markers in by_reduction.items():
         for group in _split_late_consumers(graph, markers):
             _lower_reduce(graph, unit, group, ctx)
     graph.lint()

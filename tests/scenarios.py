@@ -221,3 +221,87 @@ def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int 
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
         "collectives": counter.totals(),
     }
+
+
+# --- scheduling (issue 5) ---
+def train_variants_against_reference(model_name: str, optimizer: str, variants: list[dict], steps: int = 3) -> dict:
+    """Train one prepared copy of the model per entry of ``variants`` (backend options: stage, bucket, prefetch...)
+    on this rank's slice of each global batch, beside one single-process reference on the whole batch. Returns the
+    reference, each variant's full parameters and its collectives per graph kind in graph order."""
+    from fxshard.report import collectives
+
+    rank, world = rank_and_world()
+    model = build_model(model_name)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = copy.deepcopy(model)
+    reference_opt = make_optimizer(optimizer, reference.parameters())
+    generator = torch.Generator().manual_seed(1)
+    batches = [global_batch(model_name, world * PER_RANK_BATCH, generator) for _ in range(steps)]
+    for batch in batches:
+        loss_of(model_name, reference, batch).backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    finals, graphs = [], []
+    for options in variants:
+        torch._dynamo.reset()
+        sharded = copy.deepcopy(build_model(model_name))
+        backend = fxshard.backend(**options)
+        sharded, opt = backend.prepare(sharded, make_optimizer(optimizer, sharded.parameters()))
+        run = torch.compile(sharded, backend=backend, fullgraph=True)
+        for batch in batches:
+            local = tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
+            loss_of(model_name, run, local).backward()
+            opt.step()
+            opt.zero_grad()
+        finals.append(sharded.state_dict())
+        graphs.append({r.kind: [(c["kind"], c["unit"]) for c in collectives(r.final)]
+                       for r in backend.graphs if r.kind in ("forward", "backward")})
+    return {"initial": initial, "expected": reference.state_dict(), "finals": finals, "collectives": graphs}
+
+
+def _cast_floats(batch, dtype):
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+
+
+def train_mixed_precision_against_reference(
+    model_name: str, stage: int, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, steps: int = 3
+) -> dict:
+    """Train with ``param_dtype``/``reduce_dtype`` beside a single process that applies the same casts without
+    autocast: an fp32 master; per rank's slice, a ``param_dtype`` copy of it computes the gradient, which is cast
+    to ``reduce_dtype``, averaged over the ranks' slices, and cast to fp32 for the master's SGD step."""
+    rank, world = rank_and_world()
+    model = build_model(model_name)
+    master = copy.deepcopy(model)
+    master_opt = make_optimizer("sgd", master.parameters())
+    backend = fxshard.backend(stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    model, opt = backend.prepare(model, make_optimizer("sgd", model.parameters()))
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        batch = global_batch(model_name, world * PER_RANK_BATCH, generator)
+        slices = [tuple(t[r * PER_RANK_BATCH : (r + 1) * PER_RANK_BATCH] for t in batch) for r in range(world)]
+        loss = loss_of(model_name, run, slices[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        per_rank_grads = []
+        for local in slices:
+            compute = copy.deepcopy(master).to(param_dtype)
+            def forward(*inputs, compute=compute):  # floating inputs enter in the compute dtype, as prepare does
+                return compute(*_cast_floats(inputs, param_dtype))
+
+            loss_of(model_name, forward, local).backward()
+            per_rank_grads.append([p.grad.to(reduce_dtype or param_dtype) for p in compute.parameters()])
+        for param, grads in zip(master.parameters(), zip(*per_rank_grads)):
+            param.grad = (sum(grads) / world).to(param.dtype)
+        master_opt.step()
+        master_opt.zero_grad()
+    return {
+        "final": model.state_dict(),
+        "expected": master.state_dict(),
+        "loss_dtype": loss.dtype,
+        "leaf_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "updated_dtypes": sorted({str(p.dtype) for g in opt.param_groups for p in g["params"]}),
+        "state_dtypes": sorted({str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim()}),
+        "resident_dtypes": sorted({str(b.dtype) for n, b in model.named_buffers() if "_fxshard_full_" in n}),
+    }

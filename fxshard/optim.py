@@ -1,0 +1,181 @@
+"""The optimizer ``prepare`` returns: same class and hyperparameters, over what this rank updates.
+
+| stage | the optimizer updates | its step also |
+|---|---|---|
+| 0 | full parameters | all-reduces gradients that ``no_sync`` kept local (before the update) |
+| 1 | flat master shards of the full parameters | reduce-scatters the full gradients into the masters (before), all-gathers the updated masters into the parameters (after) |
+| 2 | the flat shard leaves | all-gathers the updated shards into the resident full copies (after) |
+| 3 | the flat shard leaves | nothing: gradients arrive reduced, forward gathers |
+
+Only elementwise optimizers run on flat shards exactly; the others are refused. A step of any other optimizer over
+parameters whose communication lives in these steps raises FxShardError instead of training silently wrong.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .errors import FxShardError
+from .ops import reduce_grad
+from .prepare import GRAD_SYNC_OF, MASTER_OF, REPLACED_BY_SHARD, RESIDENT_OF, SPEC_OF, GradSync, gather_full, spec_of
+from .sharding import ShardSpec, shard_of
+
+_SHARDED_STEP = "_fxshard_sharded_step"  # attribute of the optimizers prepare returns: their ShardedStep
+_c10d = torch.ops._c10d_functional
+
+# Optimizers whose update is elementwise, so running them on flat shards equals running them on full tensors.
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.RMSprop,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+)
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter]) -> None:
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        supported = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise FxShardError(
+            f"{type(optimizer).__name__} is not supported: fxshard runs the optimizer on flat parameter shards, "
+            f"which is exact only for elementwise optimizers ({supported}); use one of those"
+        )
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in leaves]
+        if missing:
+            raise FxShardError(
+                f"the optimizer holds {len(missing)} tensor(s) that are not parameters of the prepared model "
+                f"(shapes {[list(p.shape) for p in missing][:3]}); build the optimizer over model.parameters()"
+            )
+
+
+def shard_optimizer_over(
+    optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter], grad_sync: GradSync
+) -> torch.optim.Optimizer:
+    """A new optimizer of the same class and hyperparameters over what this rank updates (shard leaves, master
+    shards for stage 1, full parameters for stage 0), existing state laid out the same way, with the stage's
+    ``ShardedStep`` hooked around its step."""
+    _check_optimizer(optimizer, leaves)
+    stage = spec_of(next(iter(leaves.values()))).stage if leaves else 3
+    updated = {key: MASTER_OF[leaf] if stage == 1 else leaf for key, leaf in leaves.items()}
+    groups = [{**group, "params": [updated[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+    # Every group carries all its hyperparameters; defaults go to the constructor as far as it names them.
+    accepted = inspect.signature(type(optimizer)).parameters
+    sharded = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    for param, state in optimizer.state.items():
+        target = updated[id(param)]
+        spec = spec_of(target)
+        sharded.state[target] = {
+            key: shard_of(value, spec)
+            if stage >= 1 and torch.is_tensor(value) and tuple(value.shape) == spec.full_shape else value
+            for key, value in state.items()
+        }
+    step = ShardedStep(stage, list(leaves.values()), grad_sync)
+    setattr(sharded, _SHARDED_STEP, step)
+    sharded.register_step_pre_hook(step.settle_gradients)
+    sharded.register_step_post_hook(step.publish_parameters)
+    return sharded
+
+
+class ShardedStep:
+    """What a stage does around the optimizer's update, so that the update itself is shard-local.
+
+    ``settle_gradients`` (before the update) leaves every updated tensor with its averaged gradient: stage 0
+    all-reduces gradients that ``no_sync`` kept local; stage 1 reduce-scatters the full gradients into the master
+    shards (freeing the full ones, as ZeRO-1 promises). ``publish_parameters`` (after it) makes forward see the
+    update: stage 1 all-gathers the masters into the parameters, stage 2 the shards into the resident copies, each
+    cast to the compute dtype before the gather.
+    """
+
+    def __init__(self, stage: int, leaves: list[nn.Parameter], grad_sync: GradSync):
+        self.stage, self.leaves, self.grad_sync = stage, leaves, grad_sync
+
+    @torch.no_grad()
+    def settle_gradients(self, optimizer=None, args=None, kwargs=None) -> None:
+        if self.stage == 0 and self.grad_sync.local_grads_pending:
+            # Averaging is idempotent on gradients that were already reduced: a synced last micro-batch stays exact.
+            for param in self.leaves:
+                if param.grad is not None:
+                    param.grad = _reduce(param.grad, spec_of(param), "all_reduce", param.dtype)
+            self.grad_sync.local_grads_pending = False
+        elif self.stage == 1:
+            for param in self.leaves:
+                master = MASTER_OF[param]
+                if param.grad is not None:  # else: no gradient this step, or it is in the master already
+                    master.grad = _reduce(param.grad, spec_of(master), "reduce_scatter", master.dtype)
+                    param.grad = None
+
+    @torch.no_grad()
+    def publish_parameters(self, optimizer=None, args=None, kwargs=None) -> None:
+        for leaf in self.leaves:
+            if not leaf.requires_grad or self.stage not in (1, 2):
+                continue
+            full, shard = (leaf, MASTER_OF[leaf]) if self.stage == 1 else (RESIDENT_OF[leaf], leaf)
+            full.copy_(gather_full(shard, spec_of(shard), full.dtype))
+
+
+def _reduce(grad: torch.Tensor, spec: ShardSpec, grad_reduction: str, grad_dtype: torch.dtype) -> torch.Tensor:
+    return reduce_grad(grad, spec.world_size, spec.group_name, spec.name, grad_reduction, spec.reduce_dtype,
+                       grad_dtype)
+
+
+def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
+    """A step of an optimizer that ``prepare`` did not return, over parameters whose communication lives in the
+    steps of the one it did return (stages 0 under ``no_sync``, 1, 2), or over parameters prepare replaced by
+    shards (stages 2, 3), would train silently wrong: stop it before it updates anything."""
+    if hasattr(optimizer, _SHARDED_STEP) or torch.compiler.is_compiling():
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            spec = spec_of(param)
+            grad_sync = GRAD_SYNC_OF.get(param)
+            if param in REPLACED_BY_SHARD:
+                problem = f"a parameter that prepare replaced by its shard ({SPEC_OF[REPLACED_BY_SHARD[param]].name})"
+            elif spec is not None and spec.stage in (1, 2):
+                problem = f"{spec.name}, whose stage-{spec.stage} communication runs in the optimizer's step"
+            elif grad_sync is not None and grad_sync.local_grads_pending:
+                problem = f"{spec.name}, whose gradients no_sync kept local until the step"
+            else:
+                continue
+            raise FxShardError(
+                f"{type(optimizer).__name__}.step() updates {problem}, but this optimizer is not the one "
+                "backend.prepare returned; pass the optimizer to `model, opt = backend.prepare(model, opt)` and "
+                "step the returned `opt`"
+            )
+
+
+register_optimizer_step_pre_hook(_refuse_foreign_optimizer)
+
+
+@torch.no_grad()
+def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for the optimizer ``prepare`` returned: the norm of the whole model's
+    averaged gradient, the same on every rank (a collective: every rank must call it), and every gradient scaled by
+    ``min(1, max_norm / norm)``. Call it between backward and ``optimizer.step()``."""
+    step = getattr(optimizer, _SHARDED_STEP, None)
+    if step is None:
+        raise FxShardError("clip_grad_norm_ takes the optimizer that backend.prepare returned")
+    step.settle_gradients()
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm_type = float(norm_type)
+    if not params:
+        return torch.tensor(0.0)
+    grads = [p.grad for p in params]
+    if norm_type == math.inf:
+        local = torch.stack([g.abs().max() for g in grads]).max()
+    else:
+        local = torch.stack([torch.linalg.vector_norm(g, norm_type) ** norm_type for g in grads]).sum()
+    spec = spec_of(params[0])
+    if spec.stage >= 1:  # each rank holds a disjoint shard of the gradient (zero padding adds nothing)
+        op = "max" if norm_type == math.inf else "sum"
+        local = _c10d.wait_tensor(_c10d.all_reduce(local, op, spec.group_name))
+    total = local if norm_type == math.inf else local ** (1.0 / norm_type)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
