@@ -27,8 +27,13 @@ COMPILERS = ("eager", "inductor")
 
 
 def default_passes(stage: int = 3) -> list[Pass]:
-    """The pipeline a backend of this stage runs; copy it, add or drop passes, and pass it as ``passes=``."""
-    return [P.recompute_gathers_pass, P.merge_tied_grads_pass, P.lower_collectives_pass]
+    """The pipeline a backend of this stage runs; copy it, add or drop passes, and pass it as ``passes=``.
+
+    ``bucket_pass`` names each marker's collective (the ``bucket``/``blocks`` knobs) right before the lowering;
+    ``prefetch_pass`` reorders the lowered graph (``prefetch``, ``max_inflight_gathers``) or runs ``schedule``.
+    """
+    return [P.recompute_gathers_pass, P.merge_tied_grads_pass, P.bucket_pass, P.lower_collectives_pass,
+            P.prefetch_pass]
 
 
 def checked_knobs(knobs: dict) -> dict:
@@ -149,6 +154,8 @@ class Backend:
             group_name=first.group_name if first else "",
             **self.knobs,
         )
+        if context.blocks:  # passes see parameter names only: module classes become their instances' names
+            context = dataclasses.replace(context, blocks=P.block_prefixes(self.model, context.blocks))
         graph_id = next(self._graph_ids)
         inductor = _Inductor(gm, example_inputs) if self.compiler == "inductor" else None
         compile_graph = functools.partial(self._compile_graph, context, graph_id, inductor)

@@ -4,9 +4,14 @@ A pass documents what it assumes about the graph and what it guarantees, records
 ``node.meta["fxshard"]``, keeps node names and order deterministic, and touches no global state.
 """
 
+from .bucket import block_prefixes, bucket_pass
 from .context import PassContext
+from .cost_model import CostModel, exposed_communication
 from .lower_collectives import lower_collectives_pass
 from .merge_tied_grads import merge_tied_grads_pass
+from .prefetch import make_prefetch_pass, prefetch_pass
 from .recompute_gathers import recompute_gathers_pass
 
-__all__ = ["PassContext", "lower_collectives_pass", "merge_tied_grads_pass", "recompute_gathers_pass"]
+__all__ = ["CostModel", "PassContext", "block_prefixes", "bucket_pass", "exposed_communication",
+           "lower_collectives_pass", "make_prefetch_pass", "merge_tied_grads_pass", "prefetch_pass",
+           "recompute_gathers_pass"]

@@ -43,32 +43,32 @@ primals_4: f32[40]
 primals_5: f32[3]
 cat_default = aten.cat([primals_1, primals_2]) -> f32[72]  # fc1 copy_in
 all_gather_fc1 = c10d.all_gather_into_tensor(cat_default) -> f32[144]  # fc1 all_gather
+cat_default_1 = aten.cat([primals_4, primals_5]) -> f32[43]  # fc2 copy_in
+all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[86]  # fc2 all_gather
 wait_fc1 = c10d.wait_tensor(all_gather_fc1) -> f32[144]  # fc1 wait
 view_default = aten.view(wait_fc1) -> f32[2,72]  # fc1 copy_out
 split_with_sizes_default = aten.split_with_sizes(view_default) -> (f32[2,64], f32[2,8])  # fc1 copy_out
 getitem = getitem(split_with_sizes_default) -> f32[2,64]  # fc1 copy_out
 clone_default = aten.clone(getitem) -> f32[2,64]  # fc1 copy_out
 fc1_weight = aten.view(clone_default) -> f32[16,8]  # fc1 copy_out
+t = aten.t(fc1_weight) -> f32[8,16]  # recomputed
 getitem_1 = getitem(split_with_sizes_default) -> f32[2,8]  # fc1 copy_out
 clone_default_1 = aten.clone(getitem_1) -> f32[2,8]  # fc1 copy_out
 fc1_bias = aten.view(clone_default_1) -> f32[16]  # fc1 copy_out
-t = aten.t(fc1_weight) -> f32[8,16]  # recomputed
 addmm = aten.addmm(fc1_bias, primals_3, t) -> f32[4,16]
 relu = aten.relu(addmm) -> f32[4,16]
-cat_default_1 = aten.cat([primals_4, primals_5]) -> f32[43]  # fc2 copy_in
-all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[86]  # fc2 all_gather
 wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[86]  # fc2 wait
 view_default_1 = aten.view(wait_fc2) -> f32[2,43]  # fc2 copy_out
 split_with_sizes_default_1 = aten.split_with_sizes(view_default_1) -> (f32[2,40], f32[2,3])  # fc2 copy_out
 getitem_2 = getitem(split_with_sizes_default_1) -> f32[2,40]  # fc2 copy_out
 clone_default_2 = aten.clone(getitem_2) -> f32[2,40]  # fc2 copy_out
 fc2_weight = aten.view(clone_default_2) -> f32[5,16]  # fc2 copy_out
+t_1 = aten.t(fc2_weight) -> f32[16,5]  # recomputed
 getitem_3 = getitem(split_with_sizes_default_1) -> f32[2,3]  # fc2 copy_out
 clone_default_3 = aten.clone(getitem_3) -> f32[2,3]  # fc2 copy_out
 view_default_2 = aten.view(clone_default_3) -> f32[6]  # fc2 copy_out
 slice_tensor = aten.slice(view_default_2) -> f32[5]  # fc2 copy_out
 fc2_bias = aten.view(slice_tensor) -> f32[5]  # fc2 copy_out
-t_1 = aten.t(fc2_weight) -> f32[16,5]  # recomputed
 addmm_1 = aten.addmm(fc2_bias, relu, t_1) -> f32[4,5]
 return addmm_1:f32[4,5], primals_3:f32[4,8], primals_4:f32[40], relu:f32[4,16]""")
 
@@ -91,18 +91,14 @@ mm_1 = aten.mm(t_3, relu) -> f32[5,16]
 t_4 = aten.t(mm_1) -> f32[16,5]
 sum_1 = aten.sum(tangents_1) -> f32[1,5]
 view = aten.view(sum_1) -> f32[5]
-t_5 = aten.t(t_4) -> f32[5,16]
 constant_pad_nd_default = aten.constant_pad_nd(view) -> f32[6]  # fc2 copy_in
 view_default = aten.view(constant_pad_nd_default) -> f32[2,3]  # fc2 copy_in
+t_5 = aten.t(t_4) -> f32[5,16]
 view_default_1 = aten.view(t_5) -> f32[80]  # fc2 copy_in
 view_default_2 = aten.view(view_default_1) -> f32[2,40]  # fc2 copy_in
 cat_default = aten.cat([view_default, view_default_2]) -> f32[2,43]  # fc2 copy_in
 view_default_3 = aten.view(cat_default) -> f32[86]  # fc2 copy_in
 reduce_scatter_fc2 = c10d.reduce_scatter_tensor(view_default_3) -> f32[43]  # fc2 reduce_scatter
-wait_fc2_1 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[43]  # fc2 wait
-split_with_sizes_default = aten.split_with_sizes(wait_fc2_1) -> (f32[3], f32[40])  # fc2 copy_out
-fc2_bias_grad = getitem(split_with_sizes_default) -> f32[3]  # fc2 copy_out
-fc2_weight_grad = getitem(split_with_sizes_default) -> f32[40]  # fc2 copy_out
 detach = aten.detach(relu) -> f32[4,16]
 detach_1 = aten.detach(detach) -> f32[4,16]
 threshold_backward = aten.threshold_backward(mm, detach_1) -> f32[4,16]
@@ -111,8 +107,12 @@ mm_2 = aten.mm(t_6, primals_3) -> f32[16,8]
 t_7 = aten.t(mm_2) -> f32[8,16]
 sum_2 = aten.sum(threshold_backward) -> f32[1,16]
 view_1 = aten.view(sum_2) -> f32[16]
-t_8 = aten.t(t_7) -> f32[16,8]
 view_default_4 = aten.view(view_1) -> f32[2,8]  # fc1 copy_in
+t_8 = aten.t(t_7) -> f32[16,8]
+wait_fc2_1 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[43]  # fc2 wait
+split_with_sizes_default = aten.split_with_sizes(wait_fc2_1) -> (f32[3], f32[40])  # fc2 copy_out
+fc2_bias_grad = getitem(split_with_sizes_default) -> f32[3]  # fc2 copy_out
+fc2_weight_grad = getitem(split_with_sizes_default) -> f32[40]  # fc2 copy_out
 view_default_5 = aten.view(t_8) -> f32[128]  # fc1 copy_in
 view_default_6 = aten.view(view_default_5) -> f32[2,64]  # fc1 copy_in
 cat_default_1 = aten.cat([view_default_4, view_default_6]) -> f32[2,72]  # fc1 copy_in
@@ -176,9 +176,9 @@ def test_pipeline_records_each_pass():
         torch.manual_seed(0)
         backend = compile_and_step(MLP(), torch.randn(4, 8))
     forward = next(r for r in backend.graphs if r.kind == "forward")
-    assert [p.name for p in forward.passes] == ["recompute_gathers_pass", "merge_tied_grads_pass",
-                                                "lower_collectives_pass"]
-    lowering = forward.passes[-1]
+    assert [p.name for p in forward.passes] == ["recompute_gathers_pass", "merge_tied_grads_pass", "bucket_pass",
+                                                "lower_collectives_pass", "prefetch_pass"]
+    lowering = forward.passes[3]
     assert lowering.before.graph.find_nodes(op="call_function", target=UNSHARD)
     assert not lowering.after.graph.find_nodes(op="call_function", target=UNSHARD)
 
@@ -220,12 +220,6 @@ t_5 = aten.t(t_4) -> f32[5,16]
 view_default = aten.view(t_5) -> f32[80]  # fc2 copy_in
 cat_default = aten.cat([view, view_default]) -> f32[85]  # fc2 copy_in
 all_reduce_fc2 = c10d.all_reduce(cat_default) -> f32[85]  # fc2 all_reduce
-wait_fc2 = c10d.wait_tensor(all_reduce_fc2) -> f32[85]  # fc2 wait
-split_with_sizes_default = aten.split_with_sizes(wait_fc2) -> (f32[5], f32[80])  # fc2 copy_out
-getitem = getitem(split_with_sizes_default) -> f32[5]  # fc2 copy_out
-fc2_bias_grad = aten.view(getitem) -> f32[5]  # fc2 copy_out
-getitem_1 = getitem(split_with_sizes_default) -> f32[80]  # fc2 copy_out
-fc2_weight_grad = aten.view(getitem_1) -> f32[5,16]  # fc2 copy_out
 detach = aten.detach(relu) -> f32[4,16]
 detach_1 = aten.detach(detach) -> f32[4,16]
 threshold_backward = aten.threshold_backward(mm, detach_1) -> f32[4,16]
@@ -235,6 +229,12 @@ t_7 = aten.t(mm_2) -> f32[8,16]
 sum_2 = aten.sum(threshold_backward) -> f32[1,16]
 view_1 = aten.view(sum_2) -> f32[16]
 t_8 = aten.t(t_7) -> f32[16,8]
+wait_fc2 = c10d.wait_tensor(all_reduce_fc2) -> f32[85]  # fc2 wait
+split_with_sizes_default = aten.split_with_sizes(wait_fc2) -> (f32[5], f32[80])  # fc2 copy_out
+getitem = getitem(split_with_sizes_default) -> f32[5]  # fc2 copy_out
+fc2_bias_grad = aten.view(getitem) -> f32[5]  # fc2 copy_out
+getitem_1 = getitem(split_with_sizes_default) -> f32[80]  # fc2 copy_out
+fc2_weight_grad = aten.view(getitem_1) -> f32[5,16]  # fc2 copy_out
 view_default_1 = aten.view(t_8) -> f32[128]  # fc1 copy_in
 cat_default_1 = aten.cat([view_1, view_default_1]) -> f32[144]  # fc1 copy_in
 all_reduce_fc1 = c10d.all_reduce(cat_default_1) -> f32[144]  # fc1 all_reduce
@@ -319,18 +319,14 @@ mm_1 = aten.mm(t_3, relu) -> f32[5,16]
 t_4 = aten.t(mm_1) -> f32[16,5]
 sum_1 = aten.sum(tangents_1) -> f32[1,5]
 view = aten.view(sum_1) -> f32[5]
-t_5 = aten.t(t_4) -> f32[5,16]
 constant_pad_nd_default = aten.constant_pad_nd(view) -> f32[6]  # fc2 copy_in
 view_default = aten.view(constant_pad_nd_default) -> f32[2,3]  # fc2 copy_in
+t_5 = aten.t(t_4) -> f32[5,16]
 view_default_1 = aten.view(t_5) -> f32[80]  # fc2 copy_in
 view_default_2 = aten.view(view_default_1) -> f32[2,40]  # fc2 copy_in
 cat_default = aten.cat([view_default, view_default_2]) -> f32[2,43]  # fc2 copy_in
 view_default_3 = aten.view(cat_default) -> f32[86]  # fc2 copy_in
 reduce_scatter_fc2 = c10d.reduce_scatter_tensor(view_default_3) -> f32[43]  # fc2 reduce_scatter
-wait_fc2 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[43]  # fc2 wait
-split_with_sizes_default = aten.split_with_sizes(wait_fc2) -> (f32[3], f32[40])  # fc2 copy_out
-fc2_bias_grad = getitem(split_with_sizes_default) -> f32[3]  # fc2 copy_out
-fc2_weight_grad = getitem(split_with_sizes_default) -> f32[40]  # fc2 copy_out
 detach = aten.detach(relu) -> f32[4,16]
 detach_1 = aten.detach(detach) -> f32[4,16]
 threshold_backward = aten.threshold_backward(mm, detach_1) -> f32[4,16]
@@ -339,8 +335,12 @@ mm_2 = aten.mm(t_6, primals_5) -> f32[16,8]
 t_7 = aten.t(mm_2) -> f32[8,16]
 sum_2 = aten.sum(threshold_backward) -> f32[1,16]
 view_1 = aten.view(sum_2) -> f32[16]
-t_8 = aten.t(t_7) -> f32[16,8]
 view_default_4 = aten.view(view_1) -> f32[2,8]  # fc1 copy_in
+t_8 = aten.t(t_7) -> f32[16,8]
+wait_fc2 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[43]  # fc2 wait
+split_with_sizes_default = aten.split_with_sizes(wait_fc2) -> (f32[3], f32[40])  # fc2 copy_out
+fc2_bias_grad = getitem(split_with_sizes_default) -> f32[3]  # fc2 copy_out
+fc2_weight_grad = getitem(split_with_sizes_default) -> f32[40]  # fc2 copy_out
 view_default_5 = aten.view(t_8) -> f32[128]  # fc1 copy_in
 view_default_6 = aten.view(view_default_5) -> f32[2,64]  # fc1 copy_in
 cat_default_1 = aten.cat([view_default_4, view_default_6]) -> f32[2,72]  # fc1 copy_in

@@ -1,0 +1,143 @@
+"""bucket: decide which parameters share one collective (one flat buffer), before the markers are lowered.
+
+``lower_collectives_pass`` turns the markers of one unit and dtype into one collective on one flat buffer, with the
+copy-in (``cat`` of shards or padded gradients) and copy-out (``split`` and views back to each parameter) as graph
+nodes. Its unit is ``meta["fxshard"]["bucket"]`` when set, else the layer (the module that uses the parameter). This
+pass sets that key, so bucketing is a naming decision here and a rewrite there:
+
+- ``bucket="layer"``: one collective per module that owns parameters (the layer's name);
+- ``bucket="block"``: one per entry of ``blocks`` (module names, classes resolved by the backend with
+  ``block_prefixes``), like FSDP2's per-block ``fully_shard``; a parameter under no block keeps its layer's unit, and
+  a parameter under nested blocks belongs to the innermost one;
+- ``bucket=<int>``: greedy in graph order over whole layers: consecutive layers share a bucket while its full
+  buffer stays within the byte cap (a layer larger than the cap is a bucket of its own); buckets are named
+  ``bucket0``, ``bucket1``... per graph and per collective kind (gathers and gradient reductions are numbered apart).
+
+Mixed dtypes: the lowering splits a bucket by dtype (one collective per dtype in the bucket), so a bucket never
+reinterprets bytes; the byte cap counts every dtype's bytes together.
+
+Assumes: a ``forward``, ``backward`` or ``inference`` graph that still holds ``fxshard.unshard`` /
+``fxshard.reduce_grad`` markers, each with ``meta["val"]``; placed right before ``lower_collectives_pass`` (after
+``merge_tied_grads_pass``, whose new markers would not carry the key).
+Guarantees: every marker that the lowering turns into a collective (a gathering ``unshard``; a ``reduce_grad`` that
+all-reduces or reduce-scatters) gets ``meta["fxshard"]["bucket"]`` (and ``"bucket_policy"``); markers that read a
+full tensor or keep a gradient local are left alone. No node is added, removed or moved; names are deterministic.
+The joint and optimizer graphs are returned unchanged.
+
+Why not ``torch._inductor.fx_passes.bucketing``: it merges already-lowered collectives (adjacent ones only, by a MB
+cap) by tracing a merge function into the graph, so the nodes it creates lose ``meta["fxshard"]`` (unit, role,
+parameters) that the prefetch pass, the report and the budget read; and it knows no layers or blocks. Its greedy
+rule (fill a bucket in graph order until the cap, never bucket a collective that depends on the bucket) is the one
+used here for ``bucket=<int>``, on layers instead of single collectives; ``tests/test_bucket.py`` pins what its
+merge does to our metadata, so a torch release that keeps it is noticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from torch import fx, nn
+
+from fxshard.errors import FxShardError
+from fxshard.ops import REDUCE_GRAD, UNSHARD
+
+from .context import PassContext
+from .fx_utils import marker_args, position, unit_of
+
+LOWERED_REDUCTIONS = ("all_reduce", "reduce_scatter")
+
+
+def block_prefixes(model: nn.Module | None, blocks: Iterable[str | type]) -> tuple[str, ...]:
+    """Module names for ``blocks``: names are checked against ``model``, classes become the names of their instances.
+
+    The backend calls this before building the ``PassContext`` (passes see parameter names only, never modules).
+    Raises FxShardError for a name that is no module of ``model``, a class with no instance in it, or a class when
+    there is no prepared model to look it up in.
+    """
+    blocks = tuple(blocks)
+    if model is None:
+        classes = [b.__name__ for b in blocks if isinstance(b, type)]
+        if classes:
+            raise FxShardError(f"blocks={classes} names module classes, which need the model: call "
+                               "backend.prepare(model) before torch.compile, or pass module names (\"blocks.0\")")
+        return blocks
+    modules = dict(model.named_modules())
+    prefixes: list[str] = []
+    for block in blocks:
+        if isinstance(block, type):
+            names = [name for name, module in modules.items() if isinstance(module, block) and name]
+            if not names:
+                raise FxShardError(f"blocks: no submodule of {type(model).__name__} is a {block.__name__}; "
+                                   "pass module classes the model uses, or module names")
+            prefixes.extend(names)
+        elif isinstance(block, str) and block in modules and block:
+            prefixes.append(block)
+        else:
+            known = ", ".join(list(n for n in modules if n)[:8])
+            raise FxShardError(f"blocks: {block!r} is no submodule of {type(model).__name__} (its modules: "
+                               f"{known}, ...); pass module names or classes")
+    return tuple(dict.fromkeys(prefixes))
+
+
+def _lowered(marker: fx.Node) -> bool:
+    args = marker_args(marker)
+    if marker.target is UNSHARD:
+        return args["resident"] is None and args["grad_reduction"] == "reduce_scatter"  # stage 3 gathers
+    return args["grad_reduction"] in LOWERED_REDUCTIONS
+
+
+def _block_of(fqn: str, prefixes: Sequence[str]) -> str:
+    inside = [p for p in prefixes if fqn.startswith(p + ".")]
+    return max(inside, key=len) if inside else unit_of(fqn)
+
+
+def _buffer_bytes(marker: fx.Node, world_size: int) -> int:
+    """Bytes of the full (padded) buffer this marker adds to its collective."""
+    value = marker.args[0].meta["val"]  # the shard (gather) or the full gradient (reduction)
+    return value.numel() * value.element_size() * (world_size if marker.target is UNSHARD else 1)
+
+
+def _greedy_by_bytes(markers: list[fx.Node], cap: int, world_size: int) -> dict[fx.Node, str]:
+    """Consecutive layers (in order of their first marker) share a bucket while its bytes stay within ``cap``."""
+    layers: dict[str, list[fx.Node]] = {}
+    for marker in markers:  # graph order
+        layers.setdefault(unit_of(marker_args(marker)["fqn"]), []).append(marker)
+    buckets: dict[fx.Node, str] = {}
+    index, filled = 0, 0
+    for layer_markers in layers.values():
+        size = sum(_buffer_bytes(m, world_size) for m in layer_markers)
+        if filled and filled + size > cap:
+            index, filled = index + 1, 0
+        filled += size
+        buckets.update((m, f"bucket{index}") for m in layer_markers)
+    return buckets
+
+
+def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if ctx.graph not in ("forward", "backward", "inference"):
+        return gm
+    if ctx.bucket == "block" and any(not isinstance(b, str) for b in ctx.blocks):
+        raise FxShardError("bucket_pass got module classes in blocks; the backend resolves them with "
+                           "fxshard.passes.bucket.block_prefixes(model, blocks): call backend.prepare(model) first")
+    order = position(gm.graph)
+    markers = sorted(
+        (m for target in (UNSHARD, REDUCE_GRAD) for m in gm.graph.find_nodes(op="call_function", target=target)
+         if _lowered(m)),
+        key=order.__getitem__,
+    )
+    if ctx.bucket == "layer":
+        decided = {m: unit_of(marker_args(m)["fqn"]) for m in markers}
+    elif ctx.bucket == "block":
+        decided = {m: _block_of(marker_args(m)["fqn"], ctx.blocks) for m in markers}
+    else:
+        decided = {}
+        # gathers and each kind of reduction form their own sequences: one bucket never mixes collective kinds
+        kinds: dict[tuple, list[fx.Node]] = {}
+        for marker in markers:
+            kinds.setdefault((marker.target, marker_args(marker)["grad_reduction"]), []).append(marker)
+        for kind_markers in kinds.values():
+            decided.update(_greedy_by_bytes(kind_markers, ctx.bucket, ctx.world_size))
+    policy = ctx.bucket if isinstance(ctx.bucket, str) else f"<= {ctx.bucket} bytes"
+    for marker, bucket in decided.items():
+        marker.meta["fxshard"] = {**marker.meta.get("fxshard", {}), "bucket": bucket, "bucket_policy": policy}
+    return gm

@@ -1,0 +1,272 @@
+"""prefetch: reorder a lowered graph so that communication runs while the previous unit computes.
+
+``lower_collectives_pass`` leaves every collective where its parameters were first used: gather, wait and compute
+in a row, so nothing overlaps. This pass moves nodes (it never adds, removes or changes one):
+
+- the all-gather of the k-th gathered unit (with its copy-in: ``cat`` of shards, casts) is issued before the
+  compute of unit k-1 (``prefetch=1``; unit k-d for ``prefetch=d``), in the order units are first used, which is
+  "unit i+1 before unit i" in forward and "unit i-1 before unit i" in the backward graph;
+- each wait and its copy-out (``split``, views to each parameter) sits right before the first node that uses it;
+- a reduce-scatter or all-reduce (with its copy-in) is issued as soon as its gradients exist, and its wait is
+  delayed until its result is used or the next reduction is issued (at most one reduction in flight: its full
+  gradient buffer stays alive until the wait);
+- at no point are more than ``max_inflight_gathers`` gathered buffers alive (issued and not yet past their last use
+  by compute); a gather that would exceed that is issued after the compute that frees an earlier one, and never
+  later than where the lowering put it. Buffers kept for backward (``reshard_after_forward=False``) are the memory
+  ledger's business, not this cap's;
+- ``prefetch`` is the most units ahead a gather goes: the ``CostModel`` estimates each gather's time and the
+  compute of the units in between, and the gather goes only as far ahead as it needs to be hidden (less memory).
+
+The compute nodes keep their order. The new order is a list schedule: each node gets a wanted position (a key)
+from the rules above, and a topological sort that always takes the ready node with the smallest key produces the
+order, so it is topologically valid by construction even where the keys disagree with the data dependencies.
+
+Assumes: a ``forward``, ``backward`` or ``inference`` graph after ``lower_collectives_pass``; every collective
+carries ``meta["fxshard"]`` with ``role`` (``all_gather``, ``reduce_scatter``, ``all_reduce``) and ``unit``; its
+copy-in nodes are its ancestors with the same unit and a role, its wait and copy-out its descendants with the same
+unit and a role. The exact node patterns do not matter (casts or other roles may appear).
+Guarantees: the same nodes with the same arguments, in a topologically valid order, placeholders first and the
+output last; each collective's ``meta["fxshard"]["schedule"]`` records ``issued_before`` (the compute node it is
+issued in front of), ``lookahead`` (units ahead, gathers only), ``comm_s``, ``overlap_s`` and ``exposed_s``
+(estimates). ``prefetch=0`` returns the graph unchanged. When ``ctx.schedule`` is set, that function runs instead,
+and its result must be a pure reorder too (else FxShardError). The joint and optimizer graphs are unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+from torch import fx
+
+from fxshard.errors import FxShardError
+
+from .context import PassContext
+from .cost_model import COLLECTIVE_ROLES, CostModel
+from .fx_utils import position
+
+SCHEDULED_GRAPHS = ("forward", "backward", "inference")
+_PLACED = ("placeholder", "output")  # never moved: inputs stay first, the output last
+
+
+@dataclasses.dataclass
+class _Collective:
+    node: fx.Node
+    issue: list[fx.Node]  # the collective and its copy-in, in graph order
+    completion: list[fx.Node]  # its wait and copy-out, in graph order
+    first_use: int  # position of the first node outside the collective that reads its completion
+    last_use: int  # position of the last such node, the output excepted
+
+
+def _comm_side(node: fx.Node, unit: str) -> bool:
+    meta = node.meta.get("fxshard", {})
+    return node.op == "call_function" and meta.get("unit") == unit and meta.get("role") not in (None, "resident")
+
+
+def _collectives(graph: fx.Graph, order: dict[fx.Node, int]) -> list[_Collective]:
+    found, claimed = [], set()
+    for node in graph.nodes:
+        meta = node.meta.get("fxshard", {})
+        if meta.get("role") not in COLLECTIVE_ROLES:
+            continue
+        unit = meta["unit"]
+        issue, pending = {node}, [node]
+        while pending:  # copy-in: ancestors through nodes of the same unit
+            for arg in pending.pop().all_input_nodes:
+                if arg not in issue and arg not in claimed and _comm_side(arg, unit) \
+                        and arg.meta["fxshard"]["role"] not in COLLECTIVE_ROLES:
+                    issue.add(arg)
+                    pending.append(arg)
+        completion, pending = set(), [node]
+        while pending:  # wait and copy-out: descendants through nodes of the same unit
+            for user in pending.pop().users:
+                if user not in completion and user not in claimed and _comm_side(user, unit) \
+                        and user.meta["fxshard"]["role"] not in COLLECTIVE_ROLES:
+                    completion.add(user)
+                    pending.append(user)
+        claimed |= issue | completion
+        readers = [u for c in completion for u in c.users if u not in completion]
+        uses = [order[u] for u in readers]
+        compute_uses = [order[u] for u in readers if u.op != "output"]
+        first_use = min(uses, default=order[node])
+        found.append(_Collective(
+            node, sorted(issue, key=order.__getitem__), sorted(completion, key=order.__getitem__),
+            first_use, max(compute_uses, default=first_use),
+        ))
+    return found
+
+
+def _gather_slots(gathers: list[_Collective], ctx: PassContext, work_before: list[float],
+                  comm_s: dict[fx.Node, float]) -> dict[fx.Node, tuple[int, int]]:
+    """Per gather (in order of first use): the position it is issued before, and how many units ahead that is."""
+    slots: dict[fx.Node, tuple[int, int]] = {}
+    previous = 0
+    for k, gather in enumerate(gathers):
+        natural = gather.first_use
+        lookahead = 0
+        for lookahead in range(1, ctx.prefetch + 1):
+            start = gathers[k - lookahead].first_use if k - lookahead >= 0 else 0
+            if work_before[natural] - work_before[start] >= comm_s[gather.node]:
+                break  # this much compute already hides it: going further ahead only costs memory
+        slot = max(gathers[k - lookahead].first_use if k - lookahead >= 0 else 0, previous)
+        while True:  # the in-flight cap: wait for the compute that frees the oldest live buffer
+            alive = sorted(g.last_use for g in gathers[:k] if g.last_use >= slot)
+            if len(alive) < ctx.max_inflight_gathers:
+                break
+            slot = alive[len(alive) - ctx.max_inflight_gathers] + 1
+        slot = min(slot, natural)
+        previous = slot
+        slots[gather.node] = (slot, lookahead)
+    return slots
+
+
+def _keys(gm: fx.GraphModule, ctx: PassContext, model: CostModel) -> tuple[dict, list[_Collective], dict]:
+    """The wanted position of every movable node: (slot, phase, group, anchor, original position).
+
+    slot: the position (in the original order) of the compute node this node should precede or follow;
+    phase at a slot: 0 gathers issued, 1 waits and copy-outs, 2 the compute node itself, 3 reductions issued.
+    """
+    graph = gm.graph
+    order = position(graph)
+    collectives = _collectives(graph, order)
+    comm_nodes = {n for c in collectives for n in (*c.issue, *c.completion)}
+    work_before = [0.0]
+    for node in graph.nodes:
+        work_before.append(work_before[-1] + (0.0 if node in comm_nodes else model.compute_s(node)))
+    comm_s = {c.node: model.collective_s(c.node, ctx.world_size) for c in collectives}
+    gathers = sorted((c for c in collectives if c.node.meta["fxshard"]["role"] == "all_gather"),
+                     key=lambda c: (c.first_use, order[c.node]))
+    reductions = [c for c in collectives if c.node.meta["fxshard"]["role"] != "all_gather"]
+    slots = _gather_slots(gathers, ctx, work_before, comm_s)
+
+    keys: dict[fx.Node, tuple] = {n: (order[n], 2, 0, order[n], order[n]) for n in graph.nodes}
+    for k, gather in enumerate(gathers):
+        for node in gather.issue:
+            keys[node] = (slots[gather.node][0], 0, k, 0, order[node])
+    for reduction in reductions:  # as soon as the gradients exist (graph order: inputs are keyed first)
+        for node in reduction.issue:
+            ready = max((keys[a][0] for a in node.all_input_nodes if a.op != "placeholder"), default=0)
+            keys[node] = (ready, 3, 0, 1, order[node])
+    reductions.sort(key=lambda c: (keys[c.node], order[c.node]))
+    limit = {r.node: keys[later.node][:3] + (0,) for r, later in zip(reductions, reductions[1:])}
+    for collective in collectives:  # waits and copy-outs: right before their first reader, in reverse order
+        for node in reversed(collective.completion):
+            readers = [keys[u][:4] for u in node.users]
+            wanted = min(readers, default=keys[node][:4])
+            if wanted[1] == 2:  # before a compute node (or the output): with the waits of its slot
+                wanted = (wanted[0], 1, 0, 0)
+            wanted = min(wanted, limit.get(collective.node, wanted))
+            keys[node] = (*wanted, order[node])
+    return keys, collectives, {"slots": slots, "comm_s": comm_s, "gathers": gathers}
+
+
+def _list_schedule(graph: fx.Graph, keys: dict[fx.Node, tuple]) -> list[fx.Node]:
+    """A topological order that always takes the ready node with the smallest key."""
+    nodes = [n for n in graph.nodes if n.op not in _PLACED]
+    waiting = {n: sum(1 for a in n.all_input_nodes if a.op != "placeholder") for n in nodes}
+    ready = [(keys[n], i, n) for i, n in enumerate(nodes) if waiting[n] == 0]
+    heapq.heapify(ready)
+    scheduled = []
+    index = {n: i for i, n in enumerate(nodes)}
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        scheduled.append(node)
+        for user in node.users:
+            if user.op in _PLACED:
+                continue
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, (keys[user], index[user], user))
+    return scheduled
+
+
+def reorder(gm: fx.GraphModule, new_order: list[fx.Node]) -> fx.GraphModule:
+    """Put the graph's non-placeholder, non-output nodes in ``new_order`` (which must hold each exactly once)."""
+    graph = gm.graph
+    anchor = list(graph.find_nodes(op="placeholder"))
+    cursor = anchor[-1] if anchor else None
+    for node in new_order:
+        if cursor is None:
+            graph._root.append(node)  # an empty graph without inputs: start at the root sentinel
+        else:
+            cursor.append(node)
+        cursor = node
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def check_pure_reorder(before: list[tuple[str, object, tuple]], gm: fx.GraphModule, who: str) -> None:
+    """FxShardError unless ``gm`` holds exactly the nodes described by ``before`` (name, target, args), in a
+    topologically valid order."""
+    after = _signature(gm)
+    if sorted(before, key=repr) != sorted(after, key=repr):
+        gone = sorted({b[0] for b in before} - {a[0] for a in after})
+        new = sorted({a[0] for a in after} - {b[0] for b in before})
+        raise FxShardError(f"{who} must only reorder nodes, but changed the graph (removed {gone[:5]}, added "
+                           f"{new[:5]}, or changed arguments); return the same nodes in a new order, or add the "
+                           "function as a pass (passes=) if it is meant to rewrite the graph")
+    try:
+        gm.graph.lint()
+    except Exception as error:
+        raise FxShardError(f"{who} returned a graph whose order is not valid ({error}); every node must come after "
+                           "the nodes it reads (fxshard.passes.prefetch.reorder does that check)") from error
+
+
+def _signature(gm: fx.GraphModule) -> list[tuple]:
+    def describe(arg):
+        return fx.node.map_arg(arg, lambda n: f"%{n.name}")
+
+    return [(n.name, str(n.target), repr(describe(n.args)), repr(describe(n.kwargs))) for n in gm.graph.nodes]
+
+
+def make_prefetch_pass(cost_model: CostModel | None = None):
+    """A prefetch pass that estimates with ``cost_model`` (e.g. ``CostModel.measured(group)``) instead of the
+    default constants; put it in place of ``prefetch_pass`` in ``passes=``."""
+    model = cost_model or CostModel()
+
+    def prefetch_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        if ctx.graph not in SCHEDULED_GRAPHS:
+            return gm
+        if ctx.schedule is not None:
+            before = _signature(gm)
+            result = ctx.schedule(gm, ctx)
+            if not isinstance(result, fx.GraphModule):
+                raise FxShardError(f"schedule must return the GraphModule it reordered, got {type(result).__name__}")
+            check_pure_reorder(before, result, f"schedule={getattr(ctx.schedule, '__name__', ctx.schedule)!r}")
+            result.recompile()
+            return result
+        if ctx.prefetch == 0:
+            return gm
+        keys, collectives, facts = _keys(gm, ctx, model)
+        if not collectives:
+            return gm
+        reorder(gm, _list_schedule(gm.graph, keys))
+        _record(gm, ctx, model, collectives, facts)
+        return gm
+
+    prefetch_pass.__doc__ = __doc__
+    return prefetch_pass
+
+
+def _record(gm: fx.GraphModule, ctx: PassContext, model: CostModel, collectives, facts) -> None:
+    order = position(gm.graph)
+    nodes = list(gm.graph.nodes)
+    comm_nodes = {n for c in collectives for n in (*c.issue, *c.completion)}
+    for collective in collectives:
+        node = collective.node
+        wait = next((n for n in collective.completion if n.meta["fxshard"]["role"] == "wait"), None)
+        end = order[wait] if wait is not None else len(nodes) - 1
+        between = nodes[order[node] + 1 : end]
+        overlap = sum(model.compute_s(n) for n in between if n not in comm_nodes)
+        issued_before = next((n.name for n in nodes[order[node] + 1 :] if n not in comm_nodes), "output")
+        record = {"issued_before": issued_before, "comm_s": facts["comm_s"][node], "overlap_s": overlap,
+                  "exposed_s": max(0.0, facts["comm_s"][node] - overlap)}
+        if node in facts["slots"]:
+            record["lookahead"] = facts["slots"][node][1]
+        node.meta["fxshard"] = {**node.meta["fxshard"], "schedule": record}
+
+
+prefetch_pass = make_prefetch_pass()
+
+__all__ = ["CostModel", "check_pure_reorder", "make_prefetch_pass", "prefetch_pass", "reorder"]
