@@ -47,10 +47,12 @@ def loss_of(model_name: str, model, batch) -> torch.Tensor:
 
 
 def train_against_reference(
-    model_name: str, optimizer: str, steps: int = 5, compiled: bool = True, compiler: str = "eager", stage: int = 3
+    model_name: str, optimizer: str, steps: int = 5, compiled: bool = True, compiler: str = "eager", stage: int = 3,
+    clip: float | None = None,
 ) -> dict:
     """Train a prepared model (this rank's slice of each global batch) beside a single-process reference that
-    sees the whole global batch; return both models' full parameters before and after."""
+    sees the whole global batch; return both models' full parameters before and after (and, with ``clip``, the
+    gradient norms each clipped by)."""
     rank, world = rank_and_world()
     model = build_model(model_name)
     reference = copy.deepcopy(model)
@@ -60,16 +62,23 @@ def train_against_reference(
     model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
     generator = torch.Generator().manual_seed(1)
+    norms, reference_norms = [], []
     for _ in range(steps):
         batch = global_batch(model_name, world * PER_RANK_BATCH, generator)
         local = tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
         loss_of(model_name, run, local).backward()
+        if clip is not None:
+            norms.append(backend.clip_grad_norm_(clip).item())
         opt.step()
         opt.zero_grad()
         loss_of(model_name, reference, batch).backward()
+        if clip is not None:
+            reference_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item())
         reference_opt.step()
         reference_opt.zero_grad()
     return {
+        "norms": norms,
+        "reference_norms": reference_norms,
         "initial": initial,
         "final": model.state_dict(),
         "expected": reference.state_dict(),
@@ -305,3 +314,150 @@ def train_mixed_precision_against_reference(
         "state_dtypes": sorted({str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim()}),
         "resident_dtypes": sorted({str(b.dtype) for n, b in model.named_buffers() if "_fxshard_full_" in n}),
     }
+
+
+# -- the ledger (fxshard.budget) against what a step measures ------------------------------------------------------
+
+
+class Chain(torch.nn.Module):
+    """Bias-free linear layers of uneven sizes whose input requires grad, so backward reads every weight (stage 3
+    gathers each again: the textbook 3Ψ) and flat shards are padded at world sizes 2 and 3."""
+
+    def __init__(self, sizes=(7, 11, 13, 5)):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b, bias=False) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == 0 else layer(torch.tanh(x))
+        return x
+
+
+def chain_batch(size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, 7, generator=generator).requires_grad_(), torch.randn(size, 5, generator=generator)
+
+
+def _ledger_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Chain() if name == "chain" else build_model(name)
+
+
+def _ledger_loss(name: str, run, generator: torch.Generator) -> torch.Tensor:
+    if name == "chain":
+        inputs, targets = chain_batch(PER_RANK_BATCH, generator)
+        return F.mse_loss(run(inputs), targets)
+    return loss_of(name, run, global_batch(name, PER_RANK_BATCH, generator))
+
+
+def _measured_peak(model_name: str, run, opt, generator) -> int:
+    """The most bytes allocated at once during one step beyond what was allocated when it started, from the
+    profiler's allocation events (every CPU allocation and free, in order)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    opt.zero_grad()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _ledger_loss(model_name, run, generator).backward()
+        opt.step()
+    allocations, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.typed[0] == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
+    live = peak = 0
+    for _, size in sorted(allocations, key=lambda a: a[0]):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool = False) -> dict:
+    """For each stage: train two AdamW steps; of the second, the ledger at this world size beside what was measured
+    (collective bytes and calls by kind, bytes of each kind of state), optionally the step's peak."""
+    from fxshard import budget
+    from fxshard.measure import CollectiveCounter
+
+    rank, world = rank_and_world()
+    results = {}
+    for stage in stages:
+        torch._dynamo.reset()
+        model = _ledger_model(model_name)
+        backend = fxshard.backend(stage=stage)
+        model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
+        run = torch.compile(model, backend=backend, fullgraph=True)
+        generator = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            opt.zero_grad()
+            with CollectiveCounter() as counter:
+                _ledger_loss(model_name, run, generator).backward()
+                grads = _storage_bytes(p.grad for p in model.parameters())
+                opt.step()
+        leaves = {id(p) for p in model.parameters()}
+        masters = [p for g in opt.param_groups for p in g["params"] if id(p) not in leaves]
+        measured = {
+            "compute copy and master": _storage_bytes(model.parameters()) + _storage_bytes(masters)
+            + _storage_bytes(b for n, b in model.named_buffers() if "_fxshard_full_" in n),
+            "gradients": grads,
+            "optimizer state": _storage_bytes(v for s in opt.state.values() for v in s.values() if v.dim()),
+            "collectives": {k: (t["bytes"], t["calls"]) for k, t in counter.totals().items()},
+        }
+        ledger = budget.ledger(backend)
+        state_items = sorted({t.item for t in ledger.select("memory")} - {"compute copy", "master", "gradients"})
+        predicted = {
+            "compute copy and master": ledger.at(sum((t.bytes for t in ledger.select("memory", "compute copy")
+                                                      + ledger.select("memory", "master")), 0)),
+            "gradients": ledger.at(sum((t.bytes for t in ledger.select("memory", "gradients")), 0)),
+            "optimizer state": ledger.at(sum((t.bytes for i in state_items for t in ledger.select("memory", i)), 0)),
+            "collectives": {k: (ledger.at(ledger.communicated(k)), ledger.calls(k))
+                            for k in budget.COLLECTIVES if ledger.calls(k)},
+        }
+        results[stage] = {"measured": measured, "ledger": predicted, "resident": ledger.at(ledger.resident()),
+                          "ledger_peak": ledger.at(ledger.peak()), "world": world}
+        if peak:
+            results[stage]["measured_peak"] = _measured_peak(model_name, run, opt, generator)
+    return results
+
+
+def resume_from_checkpoint(stage: int, steps_before: int = 2, steps_after: int = 2) -> dict:
+    """Train, save the model's full state dict and the sharded optimizer's state dict, train on; then prepare a
+    fresh model, load both, and train the same steps again. Returns both runs' final parameters."""
+    rank, world = rank_and_world()
+
+    def batches():
+        generator = torch.Generator().manual_seed(1)
+        while True:
+            batch = global_batch("gpt", world * PER_RANK_BATCH, generator)
+            yield tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
+
+    def prepared():
+        model = build_model("gpt")
+        backend = fxshard.backend(stage=stage)
+        model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
+        return model, opt, torch.compile(model, backend=backend, fullgraph=True)
+
+    def train(opt, run, data, steps):
+        for _ in range(steps):
+            loss_of("gpt", run, next(data)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt, run = prepared()
+    data = batches()
+    train(opt, run, data, steps_before)
+    model_state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())  # as torch.save would
+    train(opt, run, data, steps_after)
+    uninterrupted = model.state_dict()
+
+    resumed_model, resumed_opt, resumed_run = prepared()
+    resumed_model.load_state_dict(model_state)
+    resumed_opt.load_state_dict(opt_state)
+    data = batches()
+    for _ in range(steps_before):
+        next(data)
+    train(resumed_opt, resumed_run, data, steps_after)
+    from fxshard.prepare import spec_of
+
+    return {"uninterrupted": uninterrupted, "resumed": resumed_model.state_dict(),
+            "saved_exp_avg_elements": sum(s["exp_avg"].numel() for s in opt_state["state"].values()),
+            "shard_elements": sum(spec_of(p).chunk for p in model.parameters())}
