@@ -308,7 +308,9 @@ def _storage_root(node: fx.Node, roots: dict) -> fx.Node:
 
 
 def gathered_peak(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[list[Term], str]:
-    """The gathered buffers alive together at the worst point of ``gm`` (in graph order), as terms."""
+    """The communication buffers alive together at the worst point of ``gm`` (in graph order), as terms: gathered
+    parameters (the all-gather's output, per-parameter copies out of it) and gradient buffers built for a
+    reduction (padded, concatenated)."""
     nodes = list(gm.graph.nodes)
     roots: dict[fx.Node, fx.Node] = {}
     for node in nodes:
@@ -329,15 +331,42 @@ def gathered_peak(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[list[T
             gathered[node] = _gathered_expr(node, node.args[0].args[0], sizes)
         elif meta.get("role") == "copy_out" and node.target is torch.ops.aten.clone.default:
             gathered[node] = _column_expr(node, sizes)
+        elif meta.get("role") == "copy_in" and any(_meta(u).get("role") in ("reduce_scatter", "all_reduce")
+                                                     for u in _users_through_views(node)):
+            gathered[node] = _reduce_buffer_expr(node, sizes)
     best, best_bytes, where = [], 0, ""
+    born = {node: index for index, node in enumerate(nodes)}
     for index, node in enumerate(nodes):
-        alive = [g for g in gathered if nodes.index(g) <= index < last_use.get(g, index + 1) or g is node]
+        alive = [g for g in gathered if born[g] <= index < last_use.get(g, index + 1) or g is node]
         total = sum(int(g.meta["val"].numel()) * g.meta["val"].element_size() for g in alive)
         if total > best_bytes:
             best, best_bytes, where = alive, total, f"{graph}: at {node.name}"
-    terms = [Term("step", "gathered", gathered[g], _width(g.meta["val"], B_PARAM, sizes.values), f"{graph}: {g.name}",
-                  unit=_meta(g).get("unit", "")) for g in best]
+    terms = []
+    for g in best:
+        reduce = _meta(g).get("role") == "copy_in"
+        terms.append(Term("step", "reduce buffer" if reduce else "gathered", gathered[g],
+                          _width(g.meta["val"], B_GRAD if reduce else B_PARAM, sizes.values), f"{graph}: {g.name}",
+                          unit=_meta(g).get("unit", "")))
     return terms, where
+
+
+def _users_through_views(node: fx.Node) -> list[fx.Node]:
+    users, pending = [], list(node.users)
+    while pending:
+        user = pending.pop()
+        users.append(user)
+        if _meta(user).get("role") == "copy_in" and user.target is torch.ops.aten.view.default:
+            pending.extend(user.users)
+    return users
+
+
+def _reduce_buffer_expr(node: fx.Node, sizes: _Sizes) -> sympy.Expr:
+    """A gradient buffer built for a reduction: a padded flat gradient, or the unit's concatenation of them."""
+    params = sizes.of_sites(_meta(node).get("params", []))
+    counts = [p.count for p in params]
+    candidates = [N * sympy.Add(*map(shard, counts)), sympy.Add(*counts)]
+    candidates += [N * shard(c) for c in counts] + counts
+    return sizes.matching(int(node.meta["val"].numel()), candidates)
 
 
 def _gathered_expr(wait: fx.Node, shards_in: fx.Node, sizes: _Sizes) -> sympy.Expr:
@@ -415,17 +444,20 @@ def _rename(params: dict[int, _Param], names: dict[tuple, str], optimizer) -> No
     for param in params.values():
         if param.sites:
             param.name = names.get((param.sites[0],), param.name)
-    plain = [p for p in params.values() if p.reads == "plain"]
-    if plain and optimizer is not None:  # no markers: name the graph's inputs after the specs, matched by shape
+    if optimizer is not None and any(p.reads == "plain" for p in params.values()):  # no markers: name the graph's inputs after the specs, matched by shape
         from .prepare import spec_of
 
         specs = [spec_of(p) for g in optimizer.param_groups for p in g["params"]]
-        for param in plain:
+        for idx, param in list(params.items()):
+            if param.reads != "plain":
+                continue
             match = next((s for s in specs if s is not None and s.numel == param.numel), None)
-            if match is not None:
-                specs.remove(match)
-                param.name = match.name
-                param.sites = [match.name]
+            if match is None:  # an input that requires grad, not a parameter
+                del params[idx]
+                continue
+            specs.remove(match)
+            param.name = match.name
+            param.sites = [match.name]
 
 
 def step_records(records) -> dict[int, dict]:
