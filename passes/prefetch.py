@@ -11,7 +11,7 @@ in a row, so nothing overlaps. This pass moves nodes (it never adds, removes or 
   delayed until its result is used or the next reduction is issued (at most one reduction in flight: its full
   gradient buffer stays alive until the wait);
 - at no point are more than ``max_inflight_gathers`` gathered buffers alive (issued and not yet past their last use
-  by compute); a gather that would exceed that is issued after the compute that frees an earlier one, and never
+  by compute, views of the buffer included); a gather that would exceed that is issued after the compute that frees an earlier one, and never
   later than where the lowering put it. Buffers kept for backward (``reshard_after_forward=False``) are the memory
   ledger's business, not this cap's;
 - ``prefetch`` is the most units ahead a gather goes: the ``CostModel`` estimates each gather's time and the
@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
+import torch
 from torch import fx
 
 from fxshard.errors import FxShardError
@@ -63,6 +64,22 @@ def _comm_side(node: fx.Node, unit: str) -> bool:
     return node.op == "call_function" and meta.get("unit") == unit and meta.get("role") not in (None, "resident")
 
 
+def _through_views(readers: list[fx.Node]) -> list[fx.Node]:
+    """``readers`` and, transitively, the users of those that are views: a view (``t`` of a gathered weight) keeps
+    the gathered buffer alive until its own last reader."""
+    found, pending = list(readers), [r for r in readers if _is_view(r)]
+    while pending:
+        for user in pending.pop().users:
+            found.append(user)
+            if _is_view(user):
+                pending.append(user)
+    return found
+
+
+def _is_view(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
 def _collectives(graph: fx.Graph, order: dict[fx.Node, int]) -> list[_Collective]:
     found, claimed = [], set()
     for node in graph.nodes:
@@ -87,7 +104,7 @@ def _collectives(graph: fx.Graph, order: dict[fx.Node, int]) -> list[_Collective
         claimed |= issue | completion
         readers = [u for c in completion for u in c.users if u not in completion]
         uses = [order[u] for u in readers]
-        compute_uses = [order[u] for u in readers if u.op != "output"]
+        compute_uses = [order[u] for u in _through_views(readers) if u.op != "output"]
         first_use = min(uses, default=order[node])
         found.append(_Collective(
             node, sorted(issue, key=order.__getitem__), sorted(completion, key=order.__getitem__),
