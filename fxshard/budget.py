@@ -84,7 +84,8 @@ def ring_factor(kind: str) -> sympy.Expr:
 class Term:
     """One line of the ledger: ``elements × width`` bytes of one kind, and where in the graphs it comes from."""
 
-    section: str  # "memory" (resident between steps), "step" (alive during the step), "comm" (per step)
+    section: str  # "memory" (resident between steps), "peak" (alive at the step's worst point besides the resident
+    # state without gradients), "saved" (activations forward saves for backward), "comm" (per step)
     item: str  # "master", "gradients", "exp_avg", "activations", "gathered", "all_gather", ...
     elements: sympy.Expr
     width: sympy.Expr
@@ -122,8 +123,15 @@ class Ledger:
         return sympy.Add(*(t.bytes for t in self.select("memory")))
 
     def peak(self) -> sympy.Expr:
-        """Resident state plus what the step adds at its worst point: saved activations and gathered buffers."""
-        return self.resident() + sympy.Add(*(t.bytes for t in self.select("step")))
+        """Bytes per rank at the step's worst point: the state held between steps (gradients are not: the step
+        starts with none) plus every tensor the graphs hold there (saved activations, gathered and reduce buffers,
+        gradients produced so far, other intermediates)."""
+        between_steps = [t.bytes for t in self.select("memory") if t.item != "gradients"]
+        return sympy.Add(*between_steps, *(t.bytes for t in self.select("peak")))
+
+    def peak_at(self) -> str:
+        """Where the peak is: the graph and node."""
+        return next((t.source for t in self.select("peak") if t.item == "peak point"), "")
 
     def communicated(self, kind: str | None = None, *, moved: bool = False) -> sympy.Expr:
         """Bytes per step: handed to collectives (``moved=False``, what ``CollectiveCounter`` counts) or sent in a
@@ -139,17 +147,26 @@ class Ledger:
         wherever the graph reads the master."""
         return self.resident() + sympy.Add(*(t.bytes for t in self.mixed_precision_copies))
 
-    def at(self, expr: sympy.Expr, **sizes) -> int:
-        """``expr`` evaluated at this run's sizes, overridden by ``N=...``, ``b_param=...``..."""
-        values = dict(self.values)
-        values.update({sympy.Symbol(k) if k not in ("N",) else N: v for k, v in sizes.items()})
-        values = {_symbol_named(self, s) if isinstance(s, sympy.Symbol) else s: v for s, v in values.items()}
+    def at(self, expr: sympy.Expr, **sizes) -> int | float:
+        """``expr`` evaluated at this run's sizes (Ψ is the sum of the ψ), overridden by name: ``N=64``,
+        ``b_param=2``, ``Ψ=7.5e9``."""
+        values = {**self.values, PSI: sum(self.values.get(c, 0) for c in self.params.values())}
+        known = {s.name: s for s in [N, PSI, *WIDTHS, *values]}
+        for name, value in sizes.items():
+            if name not in known:
+                raise FxShardError(f"the ledger has no symbol {name!r}; it has {sorted(known)}")
+            values[known[name]] = value
         result = sympy.sympify(expr).subs(values)
         if not result.is_number:
             raise FxShardError(f"cannot evaluate {expr}: no value for {sorted(map(str, result.free_symbols))}")
         return int(result) if result == int(result) else float(result)
 
     def closed_form(self, expr: sympy.Expr) -> sympy.Expr:
+        """``expr`` assuming N divides every parameter (no padding), the per-parameter counts summed into Ψ."""
+        return closed_form(expr, list(self.params.values()))
+
+
+def closed_form(self, expr: sympy.Expr) -> sympy.Expr:
         """``expr`` assuming N divides every parameter (no padding), the per-parameter counts summed into Ψ."""
         return closed_form(expr, list(self.params.values()))
 
@@ -300,17 +317,21 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[lis
 
 def _storage_root(node: fx.Node, roots: dict) -> fx.Node:
     is_view = (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
-    if is_view or (node.op == "call_function" and node.target is operator.getitem):
+    # wait_tensor returns the very tensor its collective wrote into
+    waits = node.op == "call_function" and node.target is torch.ops._c10d_functional.wait_tensor.default
+    if is_view or waits or (node.op == "call_function" and node.target is operator.getitem):
         source = node.args[0]
         if isinstance(source, fx.Node):
             return roots.get(source, source)
     return node
 
 
-def gathered_peak(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[list[Term], str]:
-    """The communication buffers alive together at the worst point of ``gm`` (in graph order), as terms: gathered
-    parameters (the all-gather's output, per-parameter copies out of it) and gradient buffers built for a
-    reduction (padded, concatenated)."""
+def live_peak(gm: fx.GraphModule, graph: str, sizes: _Sizes, grads: dict[fx.Node, sympy.Expr]) -> list[Term]:
+    """The tensors ``gm`` holds at its worst point, walking the nodes in order (a tensor lives from the node that
+    makes it to its last use, or past the end if returned; views share their base's storage). Graph inputs that are
+    parameters or the batch are not counted (they are resident or the caller's); saved activations a backward
+    graph takes are, until their last use. Communication buffers and gradients are written in the parameters'
+    counts, the rest as their (possibly symbolic) sizes."""
     nodes = list(gm.graph.nodes)
     roots: dict[fx.Node, fx.Node] = {}
     for node in nodes:
@@ -318,36 +339,58 @@ def gathered_peak(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[list[T
     last_use: dict[fx.Node, int] = {}
     for index, node in enumerate(nodes):
         for used in node.all_input_nodes:
-            last_use[roots[used]] = index
-        if node.op == "output":
-            for used in node.all_input_nodes:
-                last_use[roots[used]] = len(nodes)  # returned: alive past the graph
-    gathered = {}
+            last_use[roots[used]] = len(nodes) if node.op == "output" else index
+    for node in nodes:  # autograd keeps what forward saved (and the incoming gradient) until backward returns
+        if node.op == "placeholder":
+            last_use[node] = len(nodes)
+    saved = _saved_outputs(gm)
+    held: dict[fx.Node, tuple[str, sympy.Expr, sympy.Expr]] = {}
     for node in nodes:
-        meta = _meta(node)
-        if roots[node] is not node or not isinstance(node.meta.get("val"), torch.Tensor):
+        value = node.meta.get("val")
+        if roots[node] is not node or not isinstance(value, torch.Tensor) or node.op == "output":
             continue
-        if meta.get("role") == "wait" and _meta(node.args[0]).get("role") == "all_gather":
-            gathered[node] = _gathered_expr(node, node.args[0].args[0], sizes)
-        elif meta.get("role") == "copy_out" and node.target is torch.ops.aten.clone.default:
-            gathered[node] = _column_expr(node, sizes)
-        elif meta.get("role") == "copy_in" and any(_meta(u).get("role") in ("reduce_scatter", "all_reduce")
-                                                     for u in _users_through_views(node)):
-            gathered[node] = _reduce_buffer_expr(node, sizes)
-    best, best_bytes, where = [], 0, ""
+        if node.op == "placeholder" and _input_index(node) is not None:
+            continue  # a parameter or the batch
+        aliases = [n for n in nodes if roots[n] is node]
+        held[node] = _held_as(node, aliases, value, sizes, grads, saved)
     born = {node: index for index, node in enumerate(nodes)}
+    best, best_bytes, where = [], -1, ""
     for index, node in enumerate(nodes):
-        alive = [g for g in gathered if born[g] <= index < last_use.get(g, index + 1) or g is node]
-        total = sum(int(g.meta["val"].numel()) * g.meta["val"].element_size() for g in alive)
+        alive = [h for h in held if born[h] <= index < last_use.get(h, born[h] + 1)]
+        total = sum(sizes_at(held[h][1] * held[h][2], sizes.values) for h in alive)
         if total > best_bytes:
-            best, best_bytes, where = alive, total, f"{graph}: at {node.name}"
-    terms = []
-    for g in best:
-        reduce = _meta(g).get("role") == "copy_in"
-        terms.append(Term("step", "reduce buffer" if reduce else "gathered", gathered[g],
-                          _width(g.meta["val"], B_GRAD if reduce else B_PARAM, sizes.values), f"{graph}: {g.name}",
-                          unit=_meta(g).get("unit", "")))
-    return terms, where
+            best, best_bytes, where = alive, total, f"{graph}: {node.name}"
+    terms = [Term("peak", held[h][0], held[h][1], held[h][2], f"{graph}: {h.name}", unit=_meta(h).get("unit", ""))
+             for h in best]
+    return terms + [Term("peak", "peak point", sympy.Integer(0), sympy.Integer(0), where)]
+
+
+def _saved_outputs(gm: fx.GraphModule) -> set[fx.Node]:
+    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    descs = output.meta.get("desc") or [None] * len(values)
+    return {v for v, d in zip(values, descs) if isinstance(d, SavedForBackwardsAOTOutput) and isinstance(v, fx.Node)}
+
+
+def _held_as(node, aliases, value, sizes: _Sizes, grads, saved) -> tuple[str, sympy.Expr, sympy.Expr]:
+    """(item, elements, width) of a storage a graph holds, named by what its views are."""
+    meta = _meta(node)
+    grad_views = [a for a in aliases if a in grads]
+    if grad_views and sizes_at(sympy.Add(*(grads[a] for a in grad_views)), sizes.values) == value.numel():
+        return "gradients", sympy.Add(*(grads[a] for a in grad_views)), _width(value, B_GRAD, sizes.values)
+    if meta.get("role") == "all_gather":
+        return "gathered", _gathered_expr(node, sizes), _width(value, B_PARAM, sizes.values)
+    if meta.get("role") == "copy_out" and node.target is torch.ops.aten.clone.default:
+        return "gathered", _column_expr(node, sizes), _width(value, B_PARAM, sizes.values)
+    if meta.get("role") == "copy_in" and any(_meta(u).get("role") in ("reduce_scatter", "all_reduce")
+                                             for u in _users_through_views(node)):
+        return "reduce buffer", _reduce_buffer_expr(node, sizes), _width(value, B_GRAD, sizes.values)
+    elements, dims = _numel_expr(value)
+    sizes.values.update(dims)
+    item = "activations" if node in saved or node.op == "placeholder" else "temporaries"
+    return item, elements, sympy.Integer(value.element_size())
 
 
 def _users_through_views(node: fx.Node) -> list[fx.Node]:
@@ -364,12 +407,13 @@ def _reduce_buffer_expr(node: fx.Node, sizes: _Sizes) -> sympy.Expr:
     """A gradient buffer built for a reduction: a padded flat gradient, or the unit's concatenation of them."""
     params = sizes.of_sites(_meta(node).get("params", []))
     counts = [p.count for p in params]
-    candidates = [N * sympy.Add(*map(shard, counts)), sympy.Add(*counts)]
-    candidates += [N * shard(c) for c in counts] + counts
-    return sizes.matching(int(node.meta["val"].numel()), candidates)
+    padded = [N * sympy.Add(*map(shard, counts))] + [N * shard(c) for c in counts]
+    whole = [sympy.Add(*counts)] + counts
+    all_reduce = any(_meta(u).get("role") == "all_reduce" for u in _users_through_views(node))
+    return sizes.matching(int(node.meta["val"].numel()), whole + padded if all_reduce else padded + whole)
 
 
-def _gathered_expr(wait: fx.Node, shards_in: fx.Node, sizes: _Sizes) -> sympy.Expr:
+def _gathered_expr(wait: fx.Node, sizes: _Sizes) -> sympy.Expr:
     params = sizes.of_sites(_meta(wait).get("params", []))
     return sizes.matching(int(wait.meta["val"].numel()), [N * sympy.Add(*(shard(p.count) for p in params))])
 
@@ -398,12 +442,14 @@ def saved_activations(forward: fx.GraphModule, sizes: _Sizes) -> list[Term]:
             continue
         elements, dims = _numel_expr(tensor)
         sizes.values.update(dims)
-        terms.append(Term("step", "activations", elements, sympy.Integer(tensor.element_size()), f"forward: {value.name}"))
+        terms.append(Term("saved", "activations", elements, sympy.Integer(tensor.element_size()), f"forward: {value.name}"))
     return terms
 
 
-def gradient_terms(backward: fx.GraphModule, params: dict[int, _Param], sizes: _Sizes) -> list[Term]:
-    """The backward graph's output gradient of each trainable leaf: full (ψ) or a shard (ceiling(ψ/N))."""
+def gradient_terms(backward: fx.GraphModule, params: dict[int, _Param], sizes: _Sizes,
+                   produced: dict[fx.Node, sympy.Expr]) -> list[Term]:
+    """The backward graph's output gradient of each trainable leaf: full (ψ) or a shard (ceiling(ψ/N)); records
+    each output node's expression in ``produced``."""
     output = next(iter(backward.graph.find_nodes(op="output")))
     values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     terms = []
@@ -414,6 +460,7 @@ def gradient_terms(backward: fx.GraphModule, params: dict[int, _Param], sizes: _
         param, tensor = params[idx], value.meta["val"]
         elements = sizes.matching(int(tensor.numel()), [param.count, shard(param.count)])
         terms.append(Term("memory", "gradients", elements, _width(tensor, B_GRAD, sizes.values), f"backward: {value.name}"))
+        produced[value] = elements
     return terms
 
 
@@ -515,7 +562,7 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
     model_leaves = {id(p) for p in model.parameters()} if model is not None else set()
     terms, schedule, copies = [], [], []
     all_params: dict[str, _Param] = {}
-    sizes = None
+    sizes, peaks = None, []
     for graph_id, graphs in sorted(step_records(records).items()):
         if "joint" not in graphs or "forward" not in graphs or "backward" not in graphs:
             continue
@@ -529,15 +576,16 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
             if optimizer is None and param.reads in ("local", "gathered"):
                 read = param.count if param.reads == "local" else shard(param.count)
                 terms.append(Term("memory", "master", read, B_MASTER, f"graph {graph_id}: {param.name}"))
-        terms += gradient_terms(graphs["backward"], params, sizes)
+        produced: dict[fx.Node, sympy.Expr] = {}
+        terms += gradient_terms(graphs["backward"], params, sizes, produced)
         terms += saved_activations(graphs["forward"], sizes)
-        peaks = []
         for kind in ("forward", "backward"):
             comm, rows = collective_terms(graphs[kind], f"graph {graph_id} {kind}", sizes)
             terms += comm
             schedule += rows
-            peaks.append(gathered_peak(graphs[kind], f"graph {graph_id} {kind}", sizes))
-        terms += max(peaks, key=lambda p: sum(sizes_at(t.bytes, sizes.values) for t in p[0]))[0]
+            peaks.append(live_peak(graphs[kind], f"graph {graph_id} {kind}", sizes, produced))
+    if peaks:  # graphs run one after the other: the step's worst point is the worst of theirs
+        terms += max(peaks, key=lambda p: sum(sizes_at(t.bytes, sizes.values) for t in p))
     if sizes is None:
         raise FxShardError("no forward/backward graph was compiled yet: run one training step (forward and "
                            "backward) through torch.compile(model, backend=backend) before asking for the ledger")

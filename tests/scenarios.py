@@ -342,11 +342,21 @@ def _ledger_model(name: str) -> torch.nn.Module:
     return Chain() if name == "chain" else build_model(name)
 
 
-def _ledger_loss(name: str, run, generator: torch.Generator) -> torch.Tensor:
+def _ledger_batch(name: str, generator: torch.Generator):
+    return chain_batch(PER_RANK_BATCH, generator) if name == "chain" else global_batch(name, PER_RANK_BATCH, generator)
+
+
+def _ledger_step(name: str, model, backend):
+    """The compiled step: for the Chain, the loss too, so that everything the step computes is in the graphs."""
     if name == "chain":
-        inputs, targets = chain_batch(PER_RANK_BATCH, generator)
-        return F.mse_loss(run(inputs), targets)
-    return loss_of(name, run, global_batch(name, PER_RANK_BATCH, generator))
+        return torch.compile(lambda inputs, targets: F.mse_loss(model(inputs), targets), backend=backend,
+                             fullgraph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    return lambda *batch: loss_of(name, compiled, batch)
+
+
+def _ledger_loss(name: str, run, generator: torch.Generator) -> torch.Tensor:
+    return run(*_ledger_batch(name, generator))
 
 
 def _measured_peak(model_name: str, run, opt, generator) -> int:
@@ -356,8 +366,9 @@ def _measured_peak(model_name: str, run, opt, generator) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     opt.zero_grad()
+    batch = _ledger_batch(model_name, generator)  # the caller's, not the step's
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _ledger_loss(model_name, run, generator).backward()
+        run(*batch).backward()
         opt.step()
     allocations, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while pending:
@@ -385,7 +396,7 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
         model = _ledger_model(model_name)
         backend = fxshard.backend(stage=stage)
         model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
-        run = torch.compile(model, backend=backend, fullgraph=True)
+        run = _ledger_step(model_name, model, backend)
         generator = torch.Generator().manual_seed(rank)
         for _ in range(2):
             opt.zero_grad()
@@ -461,3 +472,37 @@ def resume_from_checkpoint(stage: int, steps_before: int = 2, steps_after: int =
     return {"uninterrupted": uninterrupted, "resumed": resumed_model.state_dict(),
             "saved_exp_avg_elements": sum(s["exp_avg"].numel() for s in opt_state["state"].values()),
             "shard_elements": sum(spec_of(p).chunk for p in model.parameters())}
+
+
+def train_with_compiled_step(stage: int, compile_step: bool, steps: int = 3) -> dict:
+    """Train the GPT with AdamW, ``opt.step`` compiled with the same backend or run eagerly, beside a single
+    process; returns the parameters, the kinds of graphs compiled, and the collectives of the last step."""
+    from fxshard.measure import CollectiveCounter
+
+    rank, world = rank_and_world()
+    model = build_model("gpt")
+    reference = copy.deepcopy(model)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    reference_opt = make_optimizer("adamw", reference.parameters())
+    backend = fxshard.backend(stage=stage)
+    model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        batch = global_batch("gpt", world * PER_RANK_BATCH, generator)
+        local = tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
+        with CollectiveCounter() as counter:
+            loss_of("gpt", run, local).backward()
+            step()
+        opt.zero_grad()
+        loss_of("gpt", reference, batch).backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    return {
+        "initial": initial,
+        "final": model.state_dict(),
+        "expected": reference.state_dict(),
+        "graph_kinds": sorted({r.kind for r in backend.graphs}),
+        "collectives": counter.totals(),
+    }

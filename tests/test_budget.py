@@ -1,0 +1,122 @@
+"""The sympy ledger (fxshard.budget): textbook closed forms from the rewritten graphs, exact against measurement."""
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+
+import fxshard
+import scenarios
+from fxshard import budget
+from fxshard.budget import B_GRAD, B_PARAM, N, PSI
+from fxshard.testing import fake_process_group
+
+STAGES = [0, 1, 2, 3]
+
+
+def compiled_ledger(stage: int, world: int = 2, **options) -> budget.Ledger:
+    """Prepare and compile the Chain under a fake process group, run one step's forward and backward."""
+    with fake_process_group(world):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        backend = fxshard.backend(stage=stage, **options)
+        model = scenarios.Chain()
+        model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
+        run = torch.compile(model, backend=backend, fullgraph=True)
+        inputs, targets = scenarios.chain_batch(4, torch.Generator().manual_seed(0))
+        F.mse_loss(run(inputs), targets).backward()
+        return budget.ledger(backend)
+
+
+@pytest.fixture(scope="module")
+def ledgers():
+    return {stage: compiled_ledger(stage) for stage in STAGES}
+
+
+TEXTBOOK_MEMORY = {0: 16 * PSI, 1: 4 * PSI + 12 * PSI / N, 2: 2 * PSI + 14 * PSI / N, 3: 16 * PSI / N}
+TEXTBOOK_COMM = {0: 2, 1: 2, 2: 2, 3: 3}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_memory_simplifies_to_the_zero_paper(ledgers, stage):
+    ledger = ledgers[stage]
+    mixed = ledger.closed_form(ledger.mixed_precision().subs(budget.ZERO_PAPER_WIDTHS))
+    assert sympy.simplify(mixed - TEXTBOOK_MEMORY[stage]) == 0, mixed
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_communication_simplifies_to_2_or_3_psi(ledgers, stage):
+    ledger = ledgers[stage]
+    b = sympy.Symbol("b", positive=True)
+    sent = ledger.closed_form(ledger.communicated(moved=True).subs({B_PARAM: b, B_GRAD: b}))
+    assert sympy.simplify(sent - TEXTBOOK_COMM[stage] * b * PSI * (N - 1) / N) == 0, sent
+
+
+def test_run_view_keeps_one_copy_where_the_graph_reads_the_master(ledgers):
+    # fp32: stages 0 and 3 read (or gather) the very tensor the optimizer updates; 1 and 2 read a separate full copy
+    master, param, grad, state = budget.B_MASTER, B_PARAM, B_GRAD, budget.B_STATE
+    expected = {0: (master + grad + 2 * state) * PSI, 1: (param + grad) * PSI + (master + 2 * state) * PSI / N,
+                2: param * PSI + (master + grad + 2 * state) * PSI / N, 3: (master + grad + 2 * state) * PSI / N}
+    for stage, form in expected.items():
+        assert sympy.simplify(ledgers[stage].closed_form(ledgers[stage].resident()) - form) == 0, stage
+
+
+def test_terms_name_the_graph_nodes_they_come_from(ledgers):
+    sources = {t.source for t in ledgers[3].select("comm")}
+    assert {"graph 0 forward: all_gather_layers_0", "graph 0 backward: reduce_scatter_layers_2"} <= sources
+    assert all(t.source.startswith("optimizer: layers.") for t in ledgers[3].select("memory", "exp_avg"))
+
+
+def test_keeping_gathered_weights_for_backward_changes_the_ledger_not_a_table():
+    # reshard_after_forward=False: the graphs no longer gather in backward, so the same stage sends 2Ψ, and the
+    # gathered weights appear as saved activations instead
+    ledger = compiled_ledger(3, reshard_after_forward=False)
+    b = sympy.Symbol("b", positive=True)
+    sent = ledger.closed_form(ledger.communicated(moved=True).subs({B_PARAM: b, B_GRAD: b}))
+    assert sympy.simplify(sent - 2 * b * PSI * (N - 1) / N) == 0, sent
+    assert ledger.calls("all_gather") == 3
+
+
+def test_padding_is_exact_at_the_run_and_gone_in_the_closed_form(ledgers):
+    ledger = ledgers[3]  # Chain: 77 + 143 + 65 = 285 elements, padded per parameter to 78 + 144 + 66 at N=2
+    assert ledger.at(ledger.communicated("reduce_scatter")) == 4 * (78 + 144 + 66)
+    assert ledger.at(ledger.closed_form(ledger.communicated("reduce_scatter")), Ψ=285) == 4 * 285
+
+
+@pytest.fixture(scope="module")
+def measured_world2(pools):
+    return pools(2).run(scenarios.ledger_against_measurement, "chain", peak=True)
+
+
+@pytest.fixture(scope="module")
+def measured_world3(pools):
+    return pools(3).run(scenarios.ledger_against_measurement, "chain")
+
+
+def _assert_exact(results):
+    for rank_result in results:
+        for stage, result in rank_result.items():
+            assert result["ledger"] == result["measured"], f"stage {stage} at world {result['world']}"
+
+
+def test_ledger_equals_measured_bytes_at_world_2(measured_world2):
+    _assert_exact(measured_world2)
+
+
+def test_ledger_equals_measured_bytes_at_world_3(measured_world3):
+    _assert_exact(measured_world3)
+
+
+PEAK_TOLERANCE = 0.4  # measured on this Chain at world 2: within -3% (stage 0) .. +34% (stage 3)
+
+
+def test_peak_within_tolerance(measured_world2):
+    # The ledger's peak is the state held between steps plus every tensor the compiled graphs hold at their worst
+    # node. Not in it: gloo's own staging copies inside a collective (468 bytes at stage 3's peak here), and the
+    # optimizer step's temporaries (stage 1 reduce-scatters and gathers per parameter in the step; AdamW's
+    # foreach temporaries): the measured peak is the larger, by up to a third on this tiny model.
+    for stage, result in measured_world2[0].items():
+        grads = result["measured"]["gradients"]
+        measured = result["resident"] - grads + result["measured_peak"]  # the step starts with no gradients
+        assert abs(measured - result["ledger_peak"]) <= PEAK_TOLERANCE * result["ledger_peak"], (stage, measured,
+                                                                                                 result["ledger_peak"])
