@@ -1,12 +1,19 @@
-"""Readable summaries of what the passes did, built from ``node.meta["fxshard"]`` of the rewritten graphs."""
+"""Readable summaries of what the passes did: the collectives of each rewritten graph (``collective_report``) and
+the step's ledger beside what a run measured (``ledger_report``), as tabulate tables or JSON."""
 
 from __future__ import annotations
 
 import collections
+import json
 
+import sympy
 from tabulate import tabulate
 
+from . import budget
+from .errors import FxShardError
+
 COLLECTIVE_ROLES = ("all_gather", "reduce_scatter", "all_reduce")
+FORMATS = ("text", "json")
 
 
 def collectives(gm) -> list[dict]:
@@ -38,4 +45,71 @@ def collective_report(records) -> str:
                 [(r["kind"], r["unit"], ", ".join(r["params"]), r["input_bytes"]) for r in rows],
                 headers=["collective", "unit", "parameters", "bytes in"],
             ))
+    return "\n".join(parts)
+
+
+def _per_step(measured) -> dict[str, int] | None:
+    """Collective input bytes per step by kind from a ``CollectiveCounter`` (or its ``totals()``, or a dict
+    ``{"totals": ..., "steps": n}`` averaged over n steps)."""
+    if measured is None:
+        return None
+    steps = 1
+    if isinstance(measured, dict) and "totals" in measured:
+        measured, steps = measured["totals"], max(1, measured.get("steps", 1))
+    totals = measured.totals() if hasattr(measured, "totals") else measured
+    return {kind: totals.get(kind, {}).get("bytes", 0) / steps for kind in COLLECTIVE_ROLES}
+
+
+def ledger_rows(ledger: budget.Ledger, measured=None) -> list[dict]:
+    """The ledger as rows: what, the closed form (N divides every parameter), bytes at this run, measured bytes."""
+    per_step = _per_step(measured)
+    rows = []
+
+    def add(section, what, expr, measured_value=None):
+        closed = ledger.closed_form(expr)
+        rows.append({"section": section, "what": what, "expression": str(sympy.factor(closed) if "ring" in what
+                                                                          else closed),
+                     "exact": str(sympy.sympify(expr)) if len(str(expr)) < 200 else "(see terms)",
+                     "bytes": ledger.at(expr), "measured": measured_value})
+
+    memory_items = list(dict.fromkeys(t.item for t in ledger.select("memory")))
+    for item in memory_items:
+        add("memory per rank", item, sympy.Add(*(t.bytes for t in ledger.select("memory", item))))
+    add("memory per rank", "resident total", ledger.resident())
+    add("memory per rank", "mixed-precision accounting", ledger.mixed_precision())
+    add("memory per rank", f"peak ({ledger.peak_at()})", ledger.peak())
+    saved = ledger.select("saved")
+    if saved:
+        add("memory per rank", "saved activations", sympy.Add(*(t.bytes for t in saved)))
+    for kind in COLLECTIVE_ROLES:
+        if ledger.calls(kind):
+            value = None if per_step is None else per_step[kind]
+            add("per step", f"{kind} input ({ledger.calls(kind)} calls)", ledger.communicated(kind), value)
+            add("per step", f"{kind} sent (ring)", ledger.communicated(kind, moved=True))
+    return rows
+
+
+def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None, title: str = "") -> str:
+    """The ledger as a table (``format="text"``) or JSON: each line's closed form, its value at this run's sizes,
+    the measured value where ``measured`` (a ``CollectiveCounter`` of one step) gives one, then the per-layer
+    collective schedule in graph order."""
+    if format not in FORMATS:
+        raise FxShardError(f"format must be one of {FORMATS}, got {format!r}")
+    rows = ledger_rows(ledger, measured)
+    sizes = {str(k): v for k, v in ledger.values.items() if not str(k).startswith("ψ[")}
+    if format == "json":
+        return json.dumps({"title": title, "sizes": sizes, "parameters": {n: ledger.values[s] for n, s in
+                                                                          ledger.params.items()},
+                           "ledger": rows, "schedule": ledger.schedule}, indent=2, default=str)
+    header = title or "fxshard ledger"
+    parts = [f"{header}  (N={ledger.values[budget.N]}, Ψ={ledger.at(budget.PSI)}, widths "
+             + ", ".join(f"{w}={ledger.values[w]}" for w in budget.WIDTHS) + ")"]
+    parts.append(tabulate([(r["section"], r["what"], r["expression"], r["bytes"],
+                            "" if r["measured"] is None else int(r["measured"])) for r in rows],
+                          headers=["", "what", "closed form (N divides every parameter)", "bytes here", "measured"]))
+    if ledger.schedule:
+        parts.append("\ncollective schedule (graph order)")
+        parts.append(tabulate([(s["graph"], s["collective"], s["unit"], ", ".join(s["params"]), s["bytes"])
+                               for s in ledger.schedule],
+                              headers=["graph", "collective", "unit", "parameters", "bytes in"]))
     return "\n".join(parts)

@@ -1,0 +1,181 @@
+"""``python -m fxshard``: the ledger from the command line.
+
+    python -m fxshard budget --params 7.5e9 --world 64 --stage 0,1,2,3 [--optimizer adamw]
+                             [--param-bytes 2 --grad-bytes 2 --master-bytes 4 --state-bytes 4] [--format json]
+    python -m fxshard report script.py [script arguments...] [--format json]
+
+``budget`` prints the memory per rank and the bytes sent per step of a model of ``--params`` elements without
+running it: it compiles a small stand-in (bias-free linear layers whose backward reads every weight, the ZeRO paper's
+assumption) for each stage under a fake process group, takes the ledger's closed form from those graphs and
+evaluates it at your sizes. ``report`` runs a training script in this process (under ``torchrun``, once per rank)
+and prints each prepared backend's ledger beside the collective bytes measured per optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import sys
+
+import sympy
+import torch
+from tabulate import tabulate
+
+from . import budget
+from .errors import FxShardError
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+              "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}
+
+
+def _stand_in_ledger(stage: int, optimizer: str) -> budget.Ledger:
+    """The ledger of a 3-layer bias-free linear chain, compiled for ``stage`` on a fake world of 2 ranks."""
+    import torch.nn.functional as F
+
+    import fxshard
+    from fxshard.testing import fake_process_group
+
+    class StandIn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    with fake_process_group(2):
+        torch._dynamo.reset()
+        model = StandIn()
+        kwargs = {"momentum": 0.9} if optimizer in ("sgd",) else {}
+        backend = fxshard.backend(stage=stage)
+        model, _ = backend.prepare(model, OPTIMIZERS[optimizer](model.parameters(), lr=1e-3, **kwargs))
+        run = torch.compile(model, backend=backend, fullgraph=True)
+        F.mse_loss(run(torch.randn(2, 8, requires_grad=True)), torch.zeros(2, 8)).backward()
+        return budget.ledger(backend)
+
+
+def _bytes(value: float) -> str:
+    return f"{value / 1e9:,.2f} GB ({value / 2**30:,.2f} GiB)"
+
+
+def budget_rows(params: float, world: int, stages: list[int], optimizer: str, widths: dict) -> list[dict]:
+    """Per stage: each memory item, the total and the bytes sent per step, at ``params`` elements on ``world``
+    ranks. With a master wider than the parameters (mixed precision) the compute copy is counted apart from it."""
+    rows = []
+    for stage in stages:
+        ledger = _stand_in_ledger(stage, optimizer)
+        mixed = widths[budget.B_MASTER] != widths[budget.B_PARAM]
+        terms = ledger.select("memory") + (ledger.mixed_precision_copies if mixed else [])
+        items = {}
+        for term in terms:
+            group = "optimizer state" if term.item not in ("compute copy", "master", "gradients") else term.item
+            items[group] = items.get(group, 0) + term.bytes
+        values = {budget.PSI: params, budget.N: world, **widths}
+        row = {"stage": stage}
+        for item in ("compute copy", "master", "gradients", "optimizer state"):
+            form = ledger.closed_form(items.get(item, sympy.Integer(0)))
+            row[item] = float(form.subs(values))
+        total = ledger.closed_form(sympy.Add(*items.values()))
+        sent = ledger.closed_form(ledger.communicated(moved=True))
+        row.update(total=float(total.subs(values)), total_form=str(sympy.factor(total.subs(widths))),
+                   sent=float(sent.subs(values)), sent_form=str(sympy.factor(sent.subs(widths))))
+        rows.append(row)
+    return rows
+
+
+def _budget(args) -> int:
+    try:
+        stages = [int(s) for s in args.stage.split(",")]
+    except ValueError:
+        raise FxShardError(f"--stage takes stages separated by commas, e.g. 0,1,2,3; got {args.stage!r}")
+    if any(s not in (0, 1, 2, 3) for s in stages):
+        raise FxShardError(f"stages are 0, 1, 2, 3; got {args.stage!r}")
+    if args.params <= 0 or args.world < 1:
+        raise FxShardError("--params must be positive and --world at least 1")
+    widths = {budget.B_PARAM: args.param_bytes, budget.B_GRAD: args.grad_bytes, budget.B_MASTER: args.master_bytes,
+              budget.B_STATE: args.state_bytes}
+    rows = budget_rows(args.params, args.world, stages, args.optimizer, widths)
+    if args.format == "json":
+        print(json.dumps({"params": args.params, "world": args.world, "optimizer": args.optimizer,
+                          "widths": {str(k): v for k, v in widths.items()}, "stages": rows}, indent=2))
+        return 0
+    print(f"Ψ = {args.params:,.0f} parameters on N = {args.world} ranks, {args.optimizer}, bytes per element: "
+          f"param {args.param_bytes}, grad {args.grad_bytes}, master {args.master_bytes}, state {args.state_bytes}"
+          "  (GB = 10^9 bytes, GiB = 2^30 bytes)")
+    print(tabulate([(r["stage"], r["total_form"], _bytes(r["compute copy"]), _bytes(r["master"]),
+                     _bytes(r["gradients"]), _bytes(r["optimizer state"]), _bytes(r["total"]), r["sent_form"],
+                     _bytes(r["sent"])) for r in rows],
+                   headers=["stage", "memory per rank", "compute copy", "master", "gradients", "optimizer state",
+                            "total per rank", "sent per step", "sent per rank per step"]))
+    return 0
+
+
+def _report(args, script_args: list[str]) -> int:
+    """Run the script here, recording every backend it prepares and the collectives of each optimizer step."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from . import api
+    from .measure import CollectiveCounter
+    from .report import ledger_report
+
+    backends, steps = [], [0]
+    original_prepare = api.Backend.prepare
+
+    def recording_prepare(self, *a, **k):
+        backends.append(self)
+        return original_prepare(self, *a, **k)
+
+    api.Backend.prepare = recording_prepare
+    handle = register_optimizer_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
+    sys.argv = [args.script, *script_args]
+    try:
+        with CollectiveCounter() as counter:
+            runpy.run_path(args.script, run_name="__main__")
+    finally:
+        api.Backend.prepare = original_prepare
+        handle.remove()
+    if not backends:
+        raise FxShardError(f"{args.script} prepared no fxshard backend in this process (scripts that spawn their "
+                           "ranks, e.g. with torch.multiprocessing, report nothing here: run each rank under "
+                           "torchrun: `torchrun --nproc-per-node 2 -m fxshard report script.py`)")
+    measured = {"totals": counter.totals(), "steps": steps[0] // max(1, len(backends))}
+    for backend in backends:
+        ledger = budget.ledger(backend)
+        print(ledger_report(ledger, format=args.format, measured=measured,
+                            title=f"{args.script}: fxshard stage {backend.stage}, measured per step over "
+                                  f"{measured['steps']} optimizer steps"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fxshard", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser("budget", help="memory and communication of a hypothetical model, per stage")
+    plan.add_argument("--params", type=float, required=True, help="parameter elements, e.g. 7.5e9")
+    plan.add_argument("--world", type=int, required=True, help="ranks N")
+    plan.add_argument("--stage", default="0,1,2,3", help="stages, comma separated")
+    plan.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
+    plan.add_argument("--param-bytes", type=int, default=2, help="bytes per element of the compute copy (2)")
+    plan.add_argument("--grad-bytes", type=int, default=2, help="bytes per gradient element (2)")
+    plan.add_argument("--master-bytes", type=int, default=4, help="bytes per master element (4)")
+    plan.add_argument("--state-bytes", type=int, default=4, help="bytes per optimizer state element (4)")
+    plan.add_argument("--format", choices=["text", "json"], default="text")
+    report = commands.add_parser("report", help="run a training script and print each backend's ledger")
+    report.add_argument("--format", choices=["text", "json"], default="text")
+    report.add_argument("script")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "budget" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return _budget(args) if args.command == "budget" else _report(args, rest)
+    except FxShardError as error:
+        print(f"fxshard: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
