@@ -30,10 +30,12 @@ def default_passes(stage: int = 3) -> list[Pass]:
     """The pipeline a backend of this stage runs; copy it, add or drop passes, and pass it as ``passes=``.
 
     ``bucket_pass`` names each marker's collective (the ``bucket``/``blocks`` knobs) right before the lowering;
-    ``prefetch_pass`` reorders the lowered graph (``prefetch``, ``max_inflight_gathers``) or runs ``schedule``.
+    ``prefetch_pass`` reorders the lowered graph (``prefetch``, ``max_inflight_gathers``) or runs ``schedule``;
+    ``budget_pass`` records each graph's memory ledger and enforces ``memory_budget``.
     """
+    from fxshard.passes.budget import budget_pass
     return [P.recompute_gathers_pass, P.merge_tied_grads_pass, P.bucket_pass, P.lower_collectives_pass,
-            P.prefetch_pass]
+            P.prefetch_pass, budget_pass]
 
 
 def checked_knobs(knobs: dict) -> dict:
@@ -214,10 +216,18 @@ class Backend:
         return make_boxed_func(gm.forward)
 
     # -- reporting ----------------------------------------------------------------------------------------------
-    def report(self) -> str:
-        from .report import collective_report
+    def report(self, format: str = "text", measured=None) -> str:
+        """The step's ledger (``fxshard.budget``) as a table per rewritten step: closed form, bytes at this run,
+        the measured bytes where ``measured`` (a ``fxshard.measure.CollectiveCounter`` around one step) gives them,
+        and the collective schedule; ``format="json"`` for tools. Before a forward and backward ran, or without an
+        optimizer, only the collectives of the graphs compiled so far."""
+        from . import budget
+        from .report import collective_report, ledger_report
 
-        return collective_report(self.graphs)
+        if self.model is None or self.optimizer is None or not any(r.kind == "backward" for r in self.graphs):
+            return collective_report(self.graphs)
+        return ledger_report(budget.ledger(self), format=format, measured=measured,
+                             title=f"fxshard stage {self.stage}")
 
 
 class _Inductor:

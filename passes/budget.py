@@ -1,0 +1,61 @@
+"""budget: the memory ledger of one lowered graph, recorded on it, and the ``memory_budget`` knob enforced.
+
+Assumes: a lowered ``forward`` / ``backward`` / ``inference`` graph whose nodes carry ``meta["val"]`` (collectives
+and their buffers carry ``meta["fxshard"]`` roles, as ``lower_collectives_pass`` leaves them). Run it last: it
+measures the schedule the passes before it chose.
+Guarantees: the graph is unchanged. ``gm.meta["fxshard_ledger"]`` gets ``{"inputs": bytes of the parameter and
+batch tensors the graph takes, "peak": bytes the graph holds at its worst node (saved activations, gathered and
+reduce buffers, gradients, intermediates), "peak_at": that node's name, "total": their sum, "terms": [(item, node,
+bytes)]}``, and each node held at the peak gets ``meta["fxshard"]["ledger_bytes"]``. With ``ctx.memory_budget``
+set, a graph whose total exceeds it fails compilation with FxShardError listing those terms.
+
+What one graph cannot see: the optimizer's master copy and state (the optimizer is not part of the model's graphs)
+and, in backward, resident parameters it does not read. So this check is a lower bound that fails early, at
+compile time; ``fxshard.budget.ledger(backend)`` / ``backend.report()`` evaluate the whole step.
+"""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+from torch import fx
+
+from fxshard import budget as ledger_lib
+from fxshard.errors import FxShardError
+
+from .context import PassContext
+
+
+def graph_ledger(gm: fx.GraphModule, ctx: PassContext) -> dict:
+    """What this graph alone needs per rank, in bytes (see the module docstring)."""
+    sizes = ledger_lib._Sizes([], ctx.world_size)
+    held = ledger_lib.live_peak(gm, ctx.graph, sizes, grads={})
+    peak_terms = [t for t in held if t.item != "peak point"]
+    inputs = [p for p in gm.graph.find_nodes(op="placeholder")
+              if ledger_lib._input_index(p) is not None and hasattr(p.meta.get("val"), "element_size")]
+    input_bytes = sum(int(p.meta["val"].numel()) * p.meta["val"].element_size() for p in inputs)
+    terms = [("input", p.name, int(p.meta["val"].numel()) * p.meta["val"].element_size()) for p in inputs]
+    terms += [(t.item, t.source.split(": ", 1)[1], ledger_lib.sizes_at(t.bytes, sizes.values)) for t in peak_terms]
+    peak = sum(b for item, _, b in terms if item != "input")
+    return {"inputs": input_bytes, "peak": peak, "peak_at": held[-1].source, "total": input_bytes + peak,
+            "terms": terms}
+
+
+def budget_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if ctx.graph not in ("forward", "backward", "inference"):
+        return gm
+    ledger = graph_ledger(gm, ctx)
+    gm.meta["fxshard_ledger"] = ledger
+    by_name = {node.name: node for node in gm.graph.nodes}
+    for item, name, nbytes in ledger["terms"]:
+        if name in by_name and item != "input":
+            by_name[name].meta.setdefault("fxshard", {})["ledger_bytes"] = nbytes
+    if ctx.memory_budget is not None and ledger["total"] > ctx.memory_budget:
+        table = tabulate(sorted(ledger["terms"], key=lambda t: -t[2])[:20], headers=["what", "node", "bytes"])
+        raise FxShardError(
+            f"the {ctx.graph} graph needs {ledger['total']:,} bytes per rank (inputs {ledger['inputs']:,} + "
+            f"{ledger['peak']:,} held at {ledger['peak_at']}), over memory_budget={ctx.memory_budget:,}, before "
+            "counting the optimizer's state. Raise the budget, use a higher stage (3 shards the parameters), a "
+            "smaller batch, or fewer gathers in flight (prefetch=0, max_inflight_gathers=1, a smaller bucket).\n"
+            + table
+        )
+    return gm
