@@ -19,7 +19,7 @@ from fxshard.passes.context import KNOBS
 
 from .errors import FxShardError
 from .pipeline import GraphRecord, Pass, run_passes
-from .optim import clip_grad_norm_, shard_optimizer_over
+from .optim import annotate_optimizer_graph, clip_grad_norm_, mark_published, shard_optimizer_over
 from .prepare import grad_sync_of, shard_parameters, spec_of
 
 STAGES = (0, 1, 2, 3)
@@ -31,11 +31,12 @@ def default_passes(stage: int = 3) -> list[Pass]:
 
     ``bucket_pass`` names each marker's collective (the ``bucket``/``blocks`` knobs) right before the lowering;
     ``prefetch_pass`` reorders the lowered graph (``prefetch``, ``max_inflight_gathers``) or runs ``schedule``;
+    ``shard_optimizer_pass`` acts only on a compiled ``optimizer.step`` (stages 1, 2: gather what it updated);
     ``budget_pass`` records each graph's memory ledger and enforces ``memory_budget``.
     """
     from fxshard.passes.budget import budget_pass
-    return [P.recompute_gathers_pass, P.merge_tied_grads_pass, P.bucket_pass, P.lower_collectives_pass,
-            P.prefetch_pass, budget_pass]
+    return [P.shard_optimizer_pass, P.recompute_gathers_pass, P.merge_tied_grads_pass, P.bucket_pass,
+            P.lower_collectives_pass, P.prefetch_pass, budget_pass]
 
 
 def checked_knobs(knobs: dict) -> dict:
@@ -159,9 +160,12 @@ class Backend:
         if context.blocks:  # passes see parameter names only: module classes become their instances' names
             context = dataclasses.replace(context, blocks=P.block_prefixes(self.model, context.blocks))
         graph_id = next(self._graph_ids)
+        published = annotate_optimizer_graph(gm, example_inputs)
+        if gm.meta["fxshard_optimizer"]:  # a compiled optimizer.step: rewritten before AOT sees it
+            gm = self._run(context, graph_id, "optimizer", gm)
         inductor = _Inductor(gm, example_inputs) if self.compiler == "inductor" else None
         compile_graph = functools.partial(self._compile_graph, context, graph_id, inductor)
-        return aot_module_simplified(
+        compiled = aot_module_simplified(
             gm,
             example_inputs,
             fw_compiler=functools.partial(compile_graph, "forward"),
@@ -172,6 +176,16 @@ class Backend:
             # decomposes and has a fallback for, and Inductor rejects the graph (aten.t.default).
             **({"decompositions": inductor.decompositions} if inductor else {}),
         )
+        if not published:
+            return compiled
+
+        @functools.wraps(compiled)
+        def step_that_publishes(*args):
+            outputs = compiled(*args)
+            mark_published(published)
+            return outputs
+
+        return step_that_publishes
 
     def _check_inputs(self, gm: fx.GraphModule, example_inputs) -> list:
         specs = []

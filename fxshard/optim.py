@@ -18,11 +18,16 @@ import math
 
 import torch
 from torch import nn
+from torch._dynamo.source import ConstantSource
+from torch.utils.weak import WeakIdKeyDictionary
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import FxShardError
+from .passes.fx_utils import unit_of
 from .ops import reduce_grad
-from .prepare import GRAD_SYNC_OF, MASTER_OF, REPLACED_BY_SHARD, RESIDENT_OF, SPEC_OF, GradSync, gather_full, spec_of
+from .prepare import (
+    FULL_COPY_OF, GRAD_SYNC_OF, MASTER_OF, REPLACED_BY_SHARD, SPEC_OF, GradSync, gather_full, spec_of,
+)
 from .sharding import ShardSpec, shard_of
 
 _SHARDED_STEP = "_fxshard_sharded_step"  # attribute of the optimizers prepare returns: their ShardedStep
@@ -97,6 +102,7 @@ class ShardedStep:
     def __init__(self, stage: int, leaves: list[nn.Parameter], grad_sync: GradSync):
         self.stage, self.leaves, self.grad_sync = stage, leaves, grad_sync
 
+    @torch._dynamo.disable  # eager even inside a compiled step: gradients are new tensors every step
     @torch.no_grad()
     def settle_gradients(self, optimizer=None, args=None, kwargs=None) -> None:
         if self.stage == 0 and self.grad_sync.local_grads_pending:
@@ -112,12 +118,14 @@ class ShardedStep:
                     master.grad = _reduce(param.grad, spec_of(master), "reduce_scatter", master.dtype)
                     param.grad = None
 
+    @torch._dynamo.disable  # a compiled step publishes inside its graph (shard_optimizer_pass); this is the eager path
     @torch.no_grad()
     def publish_parameters(self, optimizer=None, args=None, kwargs=None) -> None:
         for leaf in self.leaves:
-            if not leaf.requires_grad or self.stage not in (1, 2):
+            shard = MASTER_OF.get(leaf, leaf)
+            full = FULL_COPY_OF.get(shard)
+            if full is None or not leaf.requires_grad or _PUBLISHED_AT_VERSION.get(shard) == shard._version:
                 continue
-            full, shard = (leaf, MASTER_OF[leaf]) if self.stage == 1 else (RESIDENT_OF[leaf], leaf)
             full.copy_(gather_full(shard, spec_of(shard), full.dtype))
 
 
@@ -179,3 +187,59 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     total = local if norm_type == math.inf else local ** (1.0 / norm_type)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+# -- a compiled optimizer.step -------------------------------------------------------------------------------------
+_PUBLISHED_AT_VERSION: WeakIdKeyDictionary = WeakIdKeyDictionary()  # shard -> its version when a graph published it
+
+
+def _mutated_tensors(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Inputs and attributes of a Dynamo graph that an in-place op (``add_``, ``_foreach_mul_``, ``copy_``...)
+    mutates."""
+    mutated = set()
+    for node in gm.graph.nodes:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.op not in ("call_method", "call_function") or not name.endswith("_") or name.endswith("__"):
+            continue
+        first = node.args[0] if node.args else None
+        for arg in first if isinstance(first, (list, tuple)) else [first]:
+            if isinstance(arg, torch.fx.Node) and arg.op in ("placeholder", "get_attr"):
+                mutated.add(arg)
+    return mutated
+
+
+def annotate_optimizer_graph(gm: torch.fx.GraphModule, example_inputs) -> list[torch.Tensor]:
+    """If ``gm`` is (part of) a compiled ``optimizer.step`` that updates tensors ``prepare`` laid out, mark their
+    nodes for ``shard_optimizer_pass`` and register, as buffers of ``gm``, the full tensors each update must be
+    published into; returns the shards it will publish (empty: not an optimizer graph, or nothing to publish).
+    Dynamo hands an optimizer's parameters to the backend as attributes of ``gm`` (``get_attr``), its gradients
+    as inputs. The ShardedStep's eager post-step gather skips what the graph published."""
+    values = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+    updated = []
+    for node in _mutated_tensors(gm):
+        value = values.get(node) if node.op == "placeholder" else gm.get_submodule("").get_parameter(node.target) \
+            if node.target in dict(gm.named_parameters()) else None
+        if value is not None and spec_of(value) is not None:
+            updated.append((node, value))
+    published = []
+    for node, shard in sorted(updated, key=lambda pair: spec_of(pair[1]).name):
+        spec = spec_of(shard)
+        node.meta["fxshard"] = {"role": "updated_shard", "unit": unit_of(spec.name), "fqn": spec.name,
+                                "full_shape": spec.full_shape,
+                                "world_size": spec.world_size, "group_name": spec.group_name}
+        full = FULL_COPY_OF.get(shard)
+        if full is not None:
+            name = f"_fxshard_publish_{len(published)}"
+            gm.register_buffer(name, full)
+            if hasattr(gm, "_param_name_to_source"):  # AOT asks Dynamo's record where each attribute came from
+                gm._param_name_to_source[name] = ConstantSource(f"fxshard_full_copy_of_{spec.name}")
+            node.meta["fxshard"]["publish_into"] = name
+            published.append(shard)
+    gm.meta["fxshard_optimizer"] = bool(updated)
+    return published
+
+
+def mark_published(shards: list[torch.Tensor]) -> None:
+    """A compiled step just gathered these shards into their full copies."""
+    for shard in shards:
+        _PUBLISHED_AT_VERSION[shard] = shard._version

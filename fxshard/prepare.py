@@ -52,8 +52,9 @@ def grad_sync_of(model: nn.Module) -> GradSync:
     raise FxShardError("this model was not prepared; call backend.prepare(model, optimizer) first")
 
 SPEC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # trainable leaf (or stage-1 master shard) -> ShardSpec
-RESIDENT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-2 shard leaf -> its resident full copy
 MASTER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-1 full parameter -> its master shard
+# what forward reads of a shard the optimizer updates: stage-1 master -> full parameter, stage-2 leaf -> resident copy
+FULL_COPY_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 REPLACED_BY_SHARD: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stages 2, 3: parameter prepare replaced -> its shard leaf
 GRAD_SYNC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-0 parameter -> its model's GradSync
 
@@ -181,10 +182,11 @@ def _lay_out(param: nn.Parameter, spec: ShardSpec, grad_sync: GradSync) -> nn.Pa
         master = nn.Parameter(shard_of(param, spec), requires_grad=param.requires_grad)
         SPEC_OF[master] = spec
         MASTER_OF[param] = master
+        FULL_COPY_OF[master] = param
         if spec.param_dtype is not None:
             param.data = param.data.to(spec.param_dtype)
     elif spec.stage == 2:  # the full storage stays on as the resident copy, in the compute dtype
-        RESIDENT_OF[leaf] = param.detach().to(spec.param_dtype or param.dtype)
+        FULL_COPY_OF[leaf] = param.detach().to(spec.param_dtype or param.dtype)
     return leaf
 
 
@@ -223,7 +225,7 @@ def shard_parameters(
         for name, param in owned.items():
             module._parameters[name] = leaves[id(param)]
             if stage == 2:
-                module.register_buffer(_RESIDENT + name, RESIDENT_OF[leaves[id(param)]], persistent=False)
+                module.register_buffer(_RESIDENT + name, FULL_COPY_OF[leaves[id(param)]], persistent=False)
         module.__dict__[_GRAD_SYNC] = grad_sync
         module.__class__ = _accessor_class(type(module), tuple(owned))
     if param_dtype is not None:

@@ -37,6 +37,8 @@ def _describe(value) -> str:
 
 
 def _target_name(node: fx.Node) -> str:
+    if node.op == "call_method":  # Dynamo-level graphs (a compiled optimizer step) keep Tensor methods
+        return f".{node.target}"
     if node.op != "call_function":
         return node.op
     target = node.target
@@ -74,7 +76,7 @@ def graph_summary(gm: fx.GraphModule | fx.Graph) -> str:
         tag = f"  # {meta['unit']} {meta['role']}" if "role" in meta else ""
         if meta.get("recompute"):
             tag += "  # recomputed"
-        shape = _describe(node.meta.get("val"))
+        shape = _describe(node.meta.get("val", node.meta.get("example_value")))
         if node.op == "placeholder":
             lines.append(f"{node.name}: {shape}")
         else:

@@ -11,7 +11,8 @@ from .lower_collectives import lower_collectives_pass
 from .merge_tied_grads import merge_tied_grads_pass
 from .prefetch import make_prefetch_pass, prefetch_pass
 from .recompute_gathers import recompute_gathers_pass
+from .shard_optimizer import shard_optimizer_pass
 
 __all__ = ["CostModel", "PassContext", "block_prefixes", "bucket_pass", "exposed_communication",
            "lower_collectives_pass", "make_prefetch_pass", "merge_tied_grads_pass", "prefetch_pass",
-           "recompute_gathers_pass"]
+           "recompute_gathers_pass", "shard_optimizer_pass"]

@@ -21,7 +21,7 @@ chose for the stage), not from the stage itself:
 
 A unit is ``meta["fxshard"]["bucket"]`` of the marker if a pass before set it, else the module that uses the
 parameter. Every inserted node records ``meta["fxshard"] = {"unit", "role", "params"}`` and carries
-``meta["val"]``. The joint graph is returned unchanged.
+``meta["val"]``. The joint graph and the Dynamo-level optimizer graph are returned unchanged.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _unit_groups(markers, key=lambda m: ()) -> dict[tuple, list[fx.Node]]:
     groups: dict[tuple, list[fx.Node]] = defaultdict(list)
     for node in markers:
         unit = node.meta.get("fxshard", {}).get("bucket", unit_of(marker_args(node)["fqn"]))
-        groups[(unit, node.meta["val"].dtype, *key(node))].append(node)
+        groups[(unit, node.meta["val"].dtype, _group_of(node), *key(node))].append(node)
     return groups
 
 
@@ -99,10 +99,17 @@ def _read_full(graph: fx.Graph, marker: fx.Node) -> None:
     _replace_marker(graph, marker, value)
 
 
-def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
+def _group_of(marker: fx.Node) -> tuple[int, str]:
+    """(world size, group name) of the process group a marker names: every graph, the optimizer's too, carries
+    its own, whatever the graph's inputs are."""
+    args = marker_args(marker)
+    return args["world_size"], args["group_name"]
+
+
+def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node]) -> None:
     shards = list(dict.fromkeys(m.args[0] for m in markers))
     chunks = [s.meta["val"].numel() for s in shards]
-    world = ctx.world_size
+    world, group_name = _group_of(markers[0])
     emit = _Emitter(graph, unit, list(dict.fromkeys(marker_args(m)["fqn"] for m in markers)))
     order = position(graph)
     anchor = min(markers, key=order.__getitem__)
@@ -113,7 +120,7 @@ def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassC
         dtype = markers[0].meta["val"].dtype  # the compute dtype: shards are cast before they travel
         cast = [_cast(emit, shard, dtype) for shard in shards]
         flat = cast[0] if len(cast) == 1 else emit("copy_in", aten.cat.default, cast)
-        gathered = emit("all_gather", c10d.all_gather_into_tensor.default, flat, world, ctx.group_name)
+        gathered = emit("all_gather", c10d.all_gather_into_tensor.default, flat, world, group_name)
         gathered = emit("wait", c10d.wait_tensor.default, gathered)
         if len(shards) > 1:
             rows = emit("copy_out", aten.view.default, gathered, [world, sum(chunks)])
@@ -154,8 +161,8 @@ def _reduce_dtype(marker: fx.Node) -> torch.dtype:
     return marker_args(marker)["reduce_dtype"] or marker.args[0].meta["val"].dtype
 
 
-def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
-    world = ctx.world_size
+def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Node]:
+    world, group_name = _group_of(markers[0])
     chunks = [m.meta["val"].numel() for m in markers]
     rows = []
     for marker, chunk in zip(markers, chunks):
@@ -165,7 +172,7 @@ def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], ctx: PassConte
             flat = emit("copy_in", aten.constant_pad_nd.default, flat, [0, padding])
         rows.append(flat if len(markers) == 1 else emit("copy_in", aten.view.default, flat, [world, chunk]))
     buffer = rows[0] if len(rows) == 1 else emit("copy_in", aten.view.default, emit("copy_in", aten.cat.default, rows, 1), [-1])
-    reduced = emit("reduce_scatter", c10d.reduce_scatter_tensor.default, buffer, "avg", world, ctx.group_name)
+    reduced = emit("reduce_scatter", c10d.reduce_scatter_tensor.default, buffer, "avg", world, group_name)
     reduced = emit("wait", c10d.wait_tensor.default, reduced)
     if len(markers) == 1:
         return [_cast(emit, reduced, markers[0].meta["val"].dtype, _reduce_dtype(markers[0]))]
@@ -175,10 +182,10 @@ def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], ctx: PassConte
     return [_cast(emit, grad, m.meta["val"].dtype, _reduce_dtype(m)) for grad, m in zip(grads, markers)]
 
 
-def _lower_all_reduce(emit: _Emitter, markers: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
+def _lower_all_reduce(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Node]:
     flats = [_flat(emit, m) for m in markers]
     buffer = flats[0] if len(flats) == 1 else emit("copy_in", aten.cat.default, flats)
-    reduced = emit("all_reduce", c10d.all_reduce.default, buffer, "avg", ctx.group_name)
+    reduced = emit("all_reduce", c10d.all_reduce.default, buffer, "avg", _group_of(markers[0])[1])
     reduced = emit("wait", c10d.wait_tensor.default, reduced)
     sizes = [m.meta["val"].numel() for m in markers]
     split = emit("copy_out", aten.split_with_sizes.default, reduced, sizes) if len(markers) > 1 else None
@@ -190,21 +197,21 @@ def _lower_all_reduce(emit: _Emitter, markers: list[fx.Node], ctx: PassContext) 
     return [_cast(emit, grad, m.meta["val"].dtype, _reduce_dtype(m)) for grad, m in zip(grads, markers)]
 
 
-def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
+def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node]) -> None:
     order = position(graph)
     markers = sorted(markers, key=order.__getitem__)
     sites = [site for m in markers for site in m.meta.get("fxshard", {}).get("merged", [marker_args(m)["fqn"]])]
     emit = _Emitter(graph, unit, sites)
     lower = _lower_all_reduce if marker_args(markers[0])["grad_reduction"] == "all_reduce" else _lower_reduce_scatter
     with graph.inserting_before(markers[-1]):
-        reduced = lower(emit, markers, ctx)
+        reduced = lower(emit, markers)
     for marker, grad in zip(markers, reduced):
         marker.replace_all_uses_with(grad)
         graph.erase_node(marker)
 
 
 def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if ctx.graph == "joint":
+    if ctx.graph in ("joint", "optimizer"):  # markers are lowered after partitioning / functionalization
         return gm
     graph = gm.graph
     gathering = []
@@ -214,7 +221,7 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         else:
             _read_full(graph, marker)
     for (unit, *_), markers in _unit_groups(gathering).items():
-        _lower_gather(graph, unit, markers, ctx)
+        _lower_gather(graph, unit, markers)
     reduces = []
     for marker in list(graph.find_nodes(op="call_function", target=REDUCE_GRAD)):
         if marker_args(marker)["grad_reduction"] == "none":  # no_sync: the gradient stays local
@@ -227,7 +234,7 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     by_reduction = _unit_groups(reduces, key=lambda m: (marker_args(m)["grad_reduction"], _reduce_dtype(m)))
     for (unit, *_), markers in by_reduction.items():
         for group in _split_late_consumers(graph, markers):
-            _lower_reduce(graph, unit, group, ctx)
+            _lower_reduce(graph, unit, group)
     graph.lint()
     gm.recompile()
     refresh_fake_values(gm)

@@ -506,3 +506,35 @@ def train_with_compiled_step(stage: int, compile_step: bool, steps: int = 3) -> 
         "graph_kinds": sorted({r.kind for r in backend.graphs}),
         "collectives": counter.totals(),
     }
+
+
+def simulate_against_measurement(stage: int = 3, steps: int = 6, **options) -> dict:
+    """Train the GPT of examples/models.py; the median measured step time beside fxshard.simulate's prediction
+    with this machine calibrated (fxshard.simulate.calibrate), and the prediction from 2 to 1024 ranks."""
+    import statistics
+    import time
+
+    from fxshard.simulate import calibrate, simulate
+
+    rank, world = rank_and_world()
+    model = build_model("gpt")
+    backend = fxshard.backend(stage=stage, **options)
+    model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    generator = torch.Generator().manual_seed(rank)
+    times = []
+    for i in range(steps + 2):
+        batch = global_batch("gpt", PER_RANK_BATCH, generator)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        loss_of("gpt", run, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        if i >= 2:  # the first steps compile
+            times.append(time.perf_counter() - start)
+    machine = calibrate()
+    predicted = simulate(backend, world, machine=machine)
+    curve = {n: simulate(backend, n, machine=machine) for n in (2, 4, 8, 16, 64, 256, 1024)}
+    return {"measured": statistics.median(times), "predicted": predicted.step_time,
+            "compute": predicted.compute_time, "comm": predicted.comm_time, "exposed": predicted.exposed_comm,
+            "machine": machine, "curve": {n: (t.step_time, t.exposed_comm, t.hidden_fraction) for n, t in curve.items()}}

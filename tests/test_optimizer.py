@@ -6,7 +6,8 @@ import torch
 
 import fxshard
 import scenarios
-from examples.models import MLP
+from examples.models import MLP, GPT
+from fxshard.testing import assert_graph_snapshot
 from fxshard.prepare import MASTER_OF, spec_of
 from fxshard.sharding import shard_of
 from fxshard.testing import fake_process_group
@@ -61,3 +62,195 @@ def test_load_state_dict_of_full_parameter_stages(stage):
             for name, param in model.named_parameters():
                 master = MASTER_OF[param]
                 assert torch.equal(master, shard_of(replacement[name], spec_of(master))), name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_compiled_optimizer_step_trains_like_the_eager_one(pools, stage):
+    eager, compiled = (pools(2).run(scenarios.train_with_compiled_step, stage, compile_step)[0]
+                       for compile_step in (False, True))
+    assert_matches_reference(compiled, "adamw")
+    assert "optimizer" in compiled["graph_kinds"] and "optimizer" not in eager["graph_kinds"]
+    gathers = [run["collectives"].get("all_gather", {}) for run in (eager, compiled)]
+    if stage in (1, 2):
+        # eagerly every updated parameter is gathered on its own; the compiled step gathers once per module that
+        # first owns one (28 parameters in 15 modules: the tied LM head owns none of its own), the same elements,
+        # and the eager hook does not gather them again
+        assert gathers[0]["calls"] == 28 and gathers[1]["calls"] == 15
+        assert gathers[0]["elements"] == gathers[1]["elements"]
+    else:
+        assert gathers[0] == gathers[1]  # stage 3 gathers in forward/backward only; stage 0 never
+
+
+def _optimizer_graphs(stage: int):
+    with fake_process_group(2):
+        torch._dynamo.reset()
+        backend = fxshard.backend(stage=stage)
+        model = MLP()
+        model, opt = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8)).sum().backward()
+        torch.compile(opt.step, backend=backend)()
+    return {r.kind: r for r in backend.graphs if r.graph_id == 1}
+
+
+def test_optimizer_graph_snapshot_stage_2():
+    graphs = _optimizer_graphs(2)
+    rewritten = graphs["optimizer"].passes[0]  # shard_optimizer_pass on the Dynamo graph of the step
+    assert rewritten.name == "shard_optimizer_pass"
+    assert_graph_snapshot(rewritten.after, """\
+l_self_param_groups_0_params_0_grad: f32[64]
+l_self_param_groups_0_params_1_grad: f32[8]
+l_self_param_groups_0_params_2_grad: f32[40]
+l_self_param_groups_0_params_3_grad: f32[3]
+p = get_attr() -> f32[64]  # fc1 updated_shard
+x = get_attr() -> f32[8]  # fc1 updated_shard
+x_1 = get_attr() -> f32[40]  # fc2 updated_shard
+x_2 = get_attr() -> f32[3]  # fc2 updated_shard
+add_ = .add_(p, l_self_param_groups_0_params_0_grad) -> f32[64]
+add__1 = .add_(x, l_self_param_groups_0_params_1_grad) -> f32[8]
+add__2 = .add_(x_1, l_self_param_groups_0_params_2_grad) -> f32[40]
+add__3 = .add_(x_2, l_self_param_groups_0_params_3_grad) -> f32[3]
+_fxshard_publish_0 = get_attr() -> -  # fc1 publish
+unshard_default = fxshard.unshard(x) -> -  # fc1 publish
+copy__default = aten.copy_(_fxshard_publish_0, unshard_default) -> -  # fc1 publish
+_fxshard_publish_1 = get_attr() -> -  # fc1 publish
+unshard_default_1 = fxshard.unshard(p) -> -  # fc1 publish
+copy__default_1 = aten.copy_(_fxshard_publish_1, unshard_default_1) -> -  # fc1 publish
+_fxshard_publish_2 = get_attr() -> -  # fc2 publish
+unshard_default_2 = fxshard.unshard(x_2) -> -  # fc2 publish
+copy__default_2 = aten.copy_(_fxshard_publish_2, unshard_default_2) -> -  # fc2 publish
+_fxshard_publish_3 = get_attr() -> -  # fc2 publish
+unshard_default_3 = fxshard.unshard(x_1) -> -  # fc2 publish
+copy__default_3 = aten.copy_(_fxshard_publish_3, unshard_default_3) -> -  # fc2 publish
+return """)
+    assert_graph_snapshot(graphs["inference"].final, """\
+arg0_1: f32[64]
+arg1_1: f32[8]
+arg2_1: f32[40]
+arg3_1: f32[3]
+arg4_1: f32[16]
+arg5_1: f32[16,8]
+arg6_1: f32[5]
+arg7_1: f32[5,16]
+arg8_1: f32[64]
+arg9_1: f32[8]
+arg10_1: f32[40]
+arg11_1: f32[3]
+add = aten.add(arg0_1, arg8_1) -> f32[64]
+add_1 = aten.add(arg1_1, arg9_1) -> f32[8]
+cat_default = aten.cat([add_1, add]) -> f32[72]  # fc1 copy_in
+all_gather_fc1 = c10d.all_gather_into_tensor(cat_default) -> f32[144]  # fc1 all_gather
+add_2 = aten.add(arg2_1, arg10_1) -> f32[40]
+add_3 = aten.add(arg3_1, arg11_1) -> f32[3]
+cat_default_1 = aten.cat([add_3, add_2]) -> f32[43]  # fc2 copy_in
+all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[86]  # fc2 all_gather
+wait_fc1 = c10d.wait_tensor(all_gather_fc1) -> f32[144]  # fc1 wait
+view_default = aten.view(wait_fc1) -> f32[2,72]  # fc1 copy_out
+split_with_sizes_default = aten.split_with_sizes(view_default) -> (f32[2,8], f32[2,64])  # fc1 copy_out
+getitem = getitem(split_with_sizes_default) -> f32[2,8]  # fc1 copy_out
+clone_default = aten.clone(getitem) -> f32[2,8]  # fc1 copy_out
+fc1_bias = aten.view(clone_default) -> f32[16]  # fc1 copy_out
+copy = aten.copy(arg4_1, fc1_bias) -> f32[16]
+getitem_1 = getitem(split_with_sizes_default) -> f32[2,64]  # fc1 copy_out
+clone_default_1 = aten.clone(getitem_1) -> f32[2,64]  # fc1 copy_out
+fc1_weight = aten.view(clone_default_1) -> f32[16,8]  # fc1 copy_out
+copy_1 = aten.copy(arg5_1, fc1_weight) -> f32[16,8]
+wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[86]  # fc2 wait
+view_default_1 = aten.view(wait_fc2) -> f32[2,43]  # fc2 copy_out
+split_with_sizes_default_1 = aten.split_with_sizes(view_default_1) -> (f32[2,3], f32[2,40])  # fc2 copy_out
+getitem_2 = getitem(split_with_sizes_default_1) -> f32[2,3]  # fc2 copy_out
+clone_default_2 = aten.clone(getitem_2) -> f32[2,3]  # fc2 copy_out
+view_default_2 = aten.view(clone_default_2) -> f32[6]  # fc2 copy_out
+slice_tensor = aten.slice(view_default_2) -> f32[5]  # fc2 copy_out
+fc2_bias = aten.view(slice_tensor) -> f32[5]  # fc2 copy_out
+copy_2 = aten.copy(arg6_1, fc2_bias) -> f32[5]
+getitem_3 = getitem(split_with_sizes_default_1) -> f32[2,40]  # fc2 copy_out
+clone_default_3 = aten.clone(getitem_3) -> f32[2,40]  # fc2 copy_out
+fc2_weight = aten.view(clone_default_3) -> f32[5,16]  # fc2 copy_out
+copy_3 = aten.copy(arg7_1, fc2_weight) -> f32[5,16]
+return add:f32[64], add_1:f32[8], add_2:f32[40], add_3:f32[3], copy:f32[16], copy_1:f32[16,8], copy_2:f32[5], copy_3:f32[5,16]""")
+
+
+def test_optimizer_graph_snapshot_stage_0():
+    # full parameters, already averaged gradients: the update alone, no collective
+    assert_graph_snapshot(_optimizer_graphs(0)["inference"].final, """\
+arg0_1: f32[16,8]
+arg1_1: f32[16]
+arg2_1: f32[5,16]
+arg3_1: f32[5]
+arg4_1: f32[16,8]
+arg5_1: f32[16]
+arg6_1: f32[5,16]
+arg7_1: f32[5]
+add = aten.add(arg0_1, arg4_1) -> f32[16,8]
+add_1 = aten.add(arg1_1, arg5_1) -> f32[16]
+add_2 = aten.add(arg2_1, arg6_1) -> f32[5,16]
+add_3 = aten.add(arg3_1, arg7_1) -> f32[5]
+return add:f32[16,8], add_1:f32[16], add_2:f32[5,16], add_3:f32[5]""")
+
+
+def test_optimizer_graph_snapshot_stage_1():
+    # the masters (flat shards) are updated, then gathered into the full parameters forward reads
+    assert_graph_snapshot(_optimizer_graphs(1)["inference"].final, """\
+arg0_1: f32[64]
+arg1_1: f32[8]
+arg2_1: f32[40]
+arg3_1: f32[3]
+arg4_1: f32[16]
+arg5_1: f32[16,8]
+arg6_1: f32[5]
+arg7_1: f32[5,16]
+arg8_1: f32[64]
+arg9_1: f32[8]
+arg10_1: f32[40]
+arg11_1: f32[3]
+add = aten.add(arg0_1, arg8_1) -> f32[64]
+add_1 = aten.add(arg1_1, arg9_1) -> f32[8]
+cat_default = aten.cat([add_1, add]) -> f32[72]  # fc1 copy_in
+all_gather_fc1 = c10d.all_gather_into_tensor(cat_default) -> f32[144]  # fc1 all_gather
+add_2 = aten.add(arg2_1, arg10_1) -> f32[40]
+add_3 = aten.add(arg3_1, arg11_1) -> f32[3]
+cat_default_1 = aten.cat([add_3, add_2]) -> f32[43]  # fc2 copy_in
+all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[86]  # fc2 all_gather
+wait_fc1 = c10d.wait_tensor(all_gather_fc1) -> f32[144]  # fc1 wait
+view_default = aten.view(wait_fc1) -> f32[2,72]  # fc1 copy_out
+split_with_sizes_default = aten.split_with_sizes(view_default) -> (f32[2,8], f32[2,64])  # fc1 copy_out
+getitem = getitem(split_with_sizes_default) -> f32[2,8]  # fc1 copy_out
+clone_default = aten.clone(getitem) -> f32[2,8]  # fc1 copy_out
+fc1_bias = aten.view(clone_default) -> f32[16]  # fc1 copy_out
+copy = aten.copy(arg4_1, fc1_bias) -> f32[16]
+getitem_1 = getitem(split_with_sizes_default) -> f32[2,64]  # fc1 copy_out
+clone_default_1 = aten.clone(getitem_1) -> f32[2,64]  # fc1 copy_out
+fc1_weight = aten.view(clone_default_1) -> f32[16,8]  # fc1 copy_out
+copy_1 = aten.copy(arg5_1, fc1_weight) -> f32[16,8]
+wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[86]  # fc2 wait
+view_default_1 = aten.view(wait_fc2) -> f32[2,43]  # fc2 copy_out
+split_with_sizes_default_1 = aten.split_with_sizes(view_default_1) -> (f32[2,3], f32[2,40])  # fc2 copy_out
+getitem_2 = getitem(split_with_sizes_default_1) -> f32[2,3]  # fc2 copy_out
+clone_default_2 = aten.clone(getitem_2) -> f32[2,3]  # fc2 copy_out
+view_default_2 = aten.view(clone_default_2) -> f32[6]  # fc2 copy_out
+slice_tensor = aten.slice(view_default_2) -> f32[5]  # fc2 copy_out
+fc2_bias = aten.view(slice_tensor) -> f32[5]  # fc2 copy_out
+copy_2 = aten.copy(arg6_1, fc2_bias) -> f32[5]
+getitem_3 = getitem(split_with_sizes_default_1) -> f32[2,40]  # fc2 copy_out
+clone_default_3 = aten.clone(getitem_3) -> f32[2,40]  # fc2 copy_out
+fc2_weight = aten.view(clone_default_3) -> f32[5,16]  # fc2 copy_out
+copy_3 = aten.copy(arg7_1, fc2_weight) -> f32[5,16]
+return add:f32[64], add_1:f32[8], add_2:f32[40], add_3:f32[3], copy:f32[16], copy_1:f32[16,8], copy_2:f32[5], copy_3:f32[5,16]""")
+
+
+def test_optimizer_graph_snapshot_stage_3():
+    # shard leaves with reduce-scattered gradients: the update alone, no collective
+    assert_graph_snapshot(_optimizer_graphs(3)["inference"].final, """\
+arg0_1: f32[64]
+arg1_1: f32[8]
+arg2_1: f32[40]
+arg3_1: f32[3]
+arg4_1: f32[64]
+arg5_1: f32[8]
+arg6_1: f32[40]
+arg7_1: f32[3]
+add = aten.add(arg0_1, arg4_1) -> f32[64]
+add_1 = aten.add(arg1_1, arg5_1) -> f32[8]
+add_2 = aten.add(arg2_1, arg6_1) -> f32[40]
+add_3 = aten.add(arg3_1, arg7_1) -> f32[3]
+return add:f32[64], add_1:f32[8], add_2:f32[40], add_3:f32[3]""")
