@@ -474,13 +474,13 @@ def resume_from_checkpoint(stage: int, steps_before: int = 2, steps_after: int =
             "shard_elements": sum(spec_of(p).chunk for p in model.parameters())}
 
 
-def train_with_compiled_step(stage: int, compile_step: bool, steps: int = 3) -> dict:
-    """Train the GPT with AdamW, ``opt.step`` compiled with the same backend or run eagerly, beside a single
+def train_with_compiled_step(stage: int, compile_step: bool, model_name: str = "mlp", steps: int = 3) -> dict:
+    """Train ``model_name`` with AdamW, ``opt.step`` compiled with the same backend or run eagerly, beside a single
     process; returns the parameters, the kinds of graphs compiled, and the collectives of the last step."""
     from fxshard.measure import CollectiveCounter
 
     rank, world = rank_and_world()
-    model = build_model("gpt")
+    model = build_model(model_name)
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer("adamw", reference.parameters())
@@ -490,13 +490,13 @@ def train_with_compiled_step(stage: int, compile_step: bool, steps: int = 3) -> 
     step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        batch = global_batch("gpt", world * PER_RANK_BATCH, generator)
+        batch = global_batch(model_name, world * PER_RANK_BATCH, generator)
         local = tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
         with CollectiveCounter() as counter:
-            loss_of("gpt", run, local).backward()
+            loss_of(model_name, run, local).backward()
             step()
         opt.zero_grad()
-        loss_of("gpt", reference, batch).backward()
+        loss_of(model_name, reference, batch).backward()
         reference_opt.step()
         reference_opt.zero_grad()
     return {
@@ -517,14 +517,14 @@ def simulate_against_measurement(stage: int = 3, steps: int = 6, **options) -> d
     from fxshard.simulate import calibrate, simulate
 
     rank, world = rank_and_world()
-    model = build_model("gpt")
+    model = build_model(model_name)
     backend = fxshard.backend(stage=stage, **options)
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True)
     generator = torch.Generator().manual_seed(rank)
     times = []
     for i in range(steps + 2):
-        batch = global_batch("gpt", PER_RANK_BATCH, generator)
+        batch = global_batch(model_name, PER_RANK_BATCH, generator)
         torch.distributed.barrier()
         start = time.perf_counter()
         loss_of("gpt", run, batch).backward()
