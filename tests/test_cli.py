@@ -1,0 +1,60 @@
+"""python -m fxshard budget / report."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fxshard.__main__ import main
+
+
+def test_budget_reproduces_the_zero_paper_table(capsys):
+    # ZeRO paper, Table 1: 7.5B parameters, 64 ranks, mixed-precision Adam: 120, 31.4, 16.6, 1.88 GB per rank
+    assert main(["budget", "--params", "7.5e9", "--world", "64", "--stage", "0,1,2,3", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["stages"]
+    assert [round(r["total"] / 1e9, 2) for r in rows] == [120.0, 31.41, 16.64, 1.88]
+    assert [r["total_form"] for r in rows] == ["16*Ψ", "4*Ψ*(N + 3)/N", "2*Ψ*(N + 7)/N", "16*Ψ/N"]
+    assert [r["sent"] / (2 * 7.5e9 * 63 / 64) for r in rows] == pytest.approx([2, 2, 2, 3])
+
+
+def test_budget_text_labels_decimal_and_binary_units(capsys):
+    assert main(["budget", "--params", "1e9", "--world", "8", "--stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "2.00 GB (1.86 GiB)" in out and "GiB = 2^30 bytes" in out
+
+
+def test_budget_rejects_bad_stages(capsys):
+    assert main(["budget", "--params", "1e9", "--world", "8", "--stage", "0,4"]) == 2
+    assert "stages are 0, 1, 2, 3" in capsys.readouterr().err
+
+
+SCRIPT = textwrap.dedent('''
+    import datetime, tempfile, torch, torch.distributed as dist, torch.nn.functional as F
+    import fxshard
+    from examples.models import MLP
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+    backend = fxshard.backend(stage=3)
+    model = MLP()
+    model, opt = backend.prepare(model, torch.optim.AdamW(model.parameters()))
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    for _ in range(2):
+        F.mse_loss(run(torch.randn(4, 8)), torch.randn(4, 5)).backward()
+        opt.step()
+        opt.zero_grad()
+''')
+
+
+def test_report_runs_a_script_and_prints_its_ledger(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "fxshard", "report", "--format", "json", str(script)],
+                         capture_output=True, text=True, timeout=120, cwd=str(__import__("pathlib").Path(__file__).parents[1]),
+                         env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout[out.stdout.index("{"):])
+    rows = {r["what"]: r for r in report["ledger"]}
+    gathers = next(r for w, r in rows.items() if w.startswith("all_gather input"))
+    assert gathers["bytes"] > 0 and gathers["measured"] > 0  # world 1: the gathers still run, on one rank
+    assert report["schedule"][0]["collective"] == "all_gather"
