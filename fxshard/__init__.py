@@ -8,5 +8,6 @@
 from .api import Backend, backend, default_passes
 from .errors import FxShardError
 from .ops import reduce_grad, unshard
+from .simulate import simulate  # noqa: E402  (the function; the module stays importable as fxshard.simulate)
 
-__all__ = ["Backend", "FxShardError", "backend", "default_passes", "reduce_grad", "unshard"]
+__all__ = ["Backend", "FxShardError", "backend", "default_passes", "reduce_grad", "simulate", "unshard"]

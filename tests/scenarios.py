@@ -517,14 +517,14 @@ def simulate_against_measurement(stage: int = 3, steps: int = 6, **options) -> d
     from fxshard.simulate import calibrate, simulate
 
     rank, world = rank_and_world()
-    model = build_model(model_name)
+    model = _ledger_model("gpt")
     backend = fxshard.backend(stage=stage, **options)
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True)
     generator = torch.Generator().manual_seed(rank)
     times = []
     for i in range(steps + 2):
-        batch = global_batch(model_name, PER_RANK_BATCH, generator)
+        batch = _ledger_batch("gpt", generator)
         torch.distributed.barrier()
         start = time.perf_counter()
         loss_of("gpt", run, batch).backward()
