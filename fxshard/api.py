@@ -26,17 +26,17 @@ STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
 
 
-def default_passes(stage: int = 3) -> list[Pass]:
-    """The pipeline a backend of this stage runs; copy it, add or drop passes, and pass it as ``passes=``.
+def default_passes() -> list[Pass]:
+    """The pipeline every backend runs unless given ``passes=``; copy it, add or drop passes. It is the same for
+    every stage: each pass acts on what the markers' arguments say (the layout ``prepare`` chose), not on the stage.
 
+    ``shard_optimizer_pass`` acts only on a compiled ``optimizer.step`` (stages 1, 2: gather what it updated);
     ``bucket_pass`` names each marker's collective (the ``bucket``/``blocks`` knobs) right before the lowering;
     ``prefetch_pass`` reorders the lowered graph (``prefetch``, ``max_inflight_gathers``) or runs ``schedule``;
-    ``shard_optimizer_pass`` acts only on a compiled ``optimizer.step`` (stages 1, 2: gather what it updated);
     ``budget_pass`` records each graph's memory ledger and enforces ``memory_budget``.
     """
-    from fxshard.passes.budget import budget_pass
     return [P.shard_optimizer_pass, P.recompute_gathers_pass, P.merge_tied_grads_pass, P.bucket_pass,
-            P.lower_collectives_pass, P.prefetch_pass, budget_pass]
+            P.lower_collectives_pass, P.prefetch_pass, P.budget_pass]
 
 
 def checked_knobs(knobs: dict) -> dict:
@@ -76,7 +76,7 @@ class Backend:
     graph Dynamo hands it is run through AOT autograd and the pass pipeline. ``graphs`` keeps each rewritten graph
     with its pass-by-pass history; ``report()`` summarises the collectives.
 
-    Options: ``group`` (default: the world group), ``passes`` (default: ``default_passes(stage)``), ``compiler``
+    Options: ``group`` (default: the world group), ``passes`` (default: ``default_passes()``), ``compiler``
     (``"eager"`` runs the rewritten graphs as they are, ``"inductor"`` compiles them), and the knobs every pass
     reads, documented on ``fxshard.passes.PassContext``: ``reshard_after_forward``, ``bucket``, ``blocks``,
     ``prefetch``, ``max_inflight_gathers``, ``schedule``, ``memory_budget``, ``param_dtype``, ``reduce_dtype``. An
@@ -99,7 +99,7 @@ class Backend:
         self.stage = stage
         self.group = group
         self.knobs = checked_knobs(knobs)
-        self.passes = list(default_passes(stage) if passes is None else passes)
+        self.passes = list(default_passes() if passes is None else passes)
         self.compiler = compiler
         self.model: nn.Module | None = None  # what prepare laid out, for the report and the budget
         self.optimizer: torch.optim.Optimizer | None = None
@@ -149,6 +149,8 @@ class Backend:
     # -- compiling ----------------------------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs, **_):
         specs = self._check_inputs(gm, example_inputs)
+        if not specs and self.model is not None:  # an optimizer step reads its shards as attributes, not inputs
+            specs = [spec_of(p) for p in self.model.parameters()]
         first = next(iter(specs), None)
         context = PassContext(
             stage=self.stage,

@@ -103,6 +103,9 @@ def gather_full(shard: torch.Tensor, spec: ShardSpec, dtype: torch.dtype | None 
 def _full_value(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """What ``state_dict()`` holds for a parameter: its full shape in the dtype it trains in (the fp32 master under
     mixed precision), without padding."""
+    full_copy = FULL_COPY_OF.get(param)
+    if full_copy is not None and full_copy.dtype == param.dtype:  # stage 2's resident copy holds exactly this
+        return full_copy.detach()
     if spec.trains_shard:
         return gather_full(param, spec)
     master = MASTER_OF.get(param)

@@ -538,3 +538,18 @@ def simulate_against_measurement(stage: int = 3, steps: int = 6, **options) -> d
     return {"measured": statistics.median(times), "predicted": predicted.step_time,
             "compute": predicted.compute_time, "comm": predicted.comm_time, "exposed": predicted.exposed_comm,
             "machine": machine, "curve": {n: (t.step_time, t.exposed_comm, t.hidden_fraction) for n, t in curve.items()}}
+
+
+def die_once(marker: str) -> int:
+    """Rank 1 kills its own process with SIGABRT the first time (``marker`` does not exist yet), as a process
+    dying under Python would; every rank returns its rank otherwise."""
+    import os
+    import pathlib
+    import signal
+
+    rank, _ = rank_and_world()
+    if rank == 1 and not pathlib.Path(marker).exists():
+        pathlib.Path(marker).touch()
+        os.kill(os.getpid(), signal.SIGABRT)
+    torch.distributed.barrier()
+    return rank

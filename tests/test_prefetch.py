@@ -294,7 +294,7 @@ def test_the_cost_model_goes_only_as_far_ahead_as_hiding_needs(scheduled):
     assert lookaheads(scheduled[2]["forward"]) == [2, 2, 2, 2]
     # free communication: one unit ahead already hides it, so no gather goes further (less memory)
     free = make_prefetch_pass(CostModel(latency_s=0.0, link_bytes_per_s=float("inf")))
-    passes = [*fxshard.default_passes(3)[:-1], free]
+    passes = [*fxshard.default_passes()[:-1], free]
     graphs = compile_four_blocks(prefetch=2, max_inflight_gathers=3, passes=passes)
     assert lookaheads(graphs["forward"]) == [1, 1, 1, 1]
     assert positions(graphs["forward"]) == positions(scheduled[1]["forward"])
