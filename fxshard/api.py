@@ -17,6 +17,7 @@ from fxshard import passes as P
 from fxshard.passes import PassContext
 from fxshard.passes.context import KNOBS
 
+from .budget import optimizer_bytes
 from .errors import FxShardError
 from .pipeline import GraphRecord, Pass, run_passes
 from .optim import annotate_optimizer_graph, clip_grad_norm_, mark_published, shard_optimizer_over
@@ -157,6 +158,7 @@ class Backend:
             graph="joint",
             world_size=first.world_size if first else 1,
             group_name=first.group_name if first else "",
+            optimizer_bytes=0 if self.optimizer is None else optimizer_bytes(self.optimizer, self.model),
             **self.knobs,
         )
         if context.blocks:  # passes see parameter names only: module classes become their instances' names

@@ -166,11 +166,6 @@ class Ledger:
         return closed_form(expr, list(self.params.values()))
 
 
-def closed_form(self, expr: sympy.Expr) -> sympy.Expr:
-        """``expr`` assuming N divides every parameter (no padding), the per-parameter counts summed into Ψ."""
-        return closed_form(expr, list(self.params.values()))
-
-
 def _symbol_named(ledger: Ledger, symbol: sympy.Symbol) -> sympy.Symbol:
     for known in [N, *WIDTHS, *ledger.values]:
         if known.name == symbol.name:
@@ -614,6 +609,22 @@ def _merge(sizes: _Sizes, params) -> _Sizes:
 
 def sizes_at(expr: sympy.Expr, values: dict) -> int:
     return int(sympy.sympify(expr).subs(values))
+
+
+def optimizer_bytes(optimizer, model) -> int:
+    """Bytes per rank the optimizer keeps that no graph of the model takes as input: its state for every element
+    it updates (the state kinds of ``optimizer_state_kinds``, allocated at the first step), and the tensors it
+    updates that are not the model's parameters (stage 1's master shards)."""
+    model_leaves = {id(p) for p in model.parameters()}
+    total = 0
+    for group in optimizer.param_groups:
+        kinds = optimizer_state_kinds(type(optimizer).__name__, group)
+        for tensor in group["params"]:
+            if not tensor.requires_grad:
+                continue
+            per_element = len(kinds) + (id(tensor) not in model_leaves)
+            total += per_element * tensor.numel() * tensor.element_size()
+    return total
 
 
 def ledger(backend) -> Ledger:

@@ -9,9 +9,10 @@ reduce buffers, gradients, intermediates), "peak_at": that node's name, "total":
 bytes)]}``, and each node held at the peak gets ``meta["fxshard"]["ledger_bytes"]``. With ``ctx.memory_budget``
 set, a graph whose total exceeds it fails compilation with FxShardError listing those terms.
 
-What one graph cannot see: the optimizer's master copy and state (the optimizer is not part of the model's graphs)
-and, in backward, resident parameters it does not read. So this check is a lower bound that fails early, at
-compile time; ``fxshard.budget.ledger(backend)`` / ``backend.report()`` evaluate the whole step.
+The optimizer is not part of the model's graphs: what it keeps (state, stage-1 master shards) comes in as
+``ctx.optimizer_bytes`` and is added to the total. What one graph still cannot see: in backward, resident
+parameters it does not read. So this check is a lower bound that fails early, at compile time;
+``fxshard.budget.ledger(backend)`` / ``backend.report()`` evaluate the whole step.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def graph_ledger(gm: fx.GraphModule, ctx: PassContext) -> dict:
     terms = [("input", p.name, int(p.meta["val"].numel()) * p.meta["val"].element_size()) for p in inputs]
     terms += [(t.item, t.source.split(": ", 1)[1], ledger_lib.sizes_at(t.bytes, sizes.values)) for t in peak_terms]
     peak = sum(b for item, _, b in terms if item != "input")
-    return {"inputs": input_bytes, "peak": peak, "peak_at": held[-1].source, "total": input_bytes + peak,
-            "terms": terms}
+    if ctx.optimizer_bytes:
+        terms.append(("optimizer", "state and masters", ctx.optimizer_bytes))
+    return {"inputs": input_bytes, "peak": peak, "peak_at": held[-1].source, "optimizer": ctx.optimizer_bytes,
+            "total": input_bytes + peak + ctx.optimizer_bytes, "terms": terms}
 
 
 def budget_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -47,14 +50,14 @@ def budget_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     gm.meta["fxshard_ledger"] = ledger
     by_name = {node.name: node for node in gm.graph.nodes}
     for item, name, nbytes in ledger["terms"]:
-        if name in by_name and item != "input":
+        if name in by_name and item not in ("input", "optimizer"):
             by_name[name].meta.setdefault("fxshard", {})["ledger_bytes"] = nbytes
     if ctx.memory_budget is not None and ledger["total"] > ctx.memory_budget:
         table = tabulate(sorted(ledger["terms"], key=lambda t: -t[2])[:20], headers=["what", "node", "bytes"])
         raise FxShardError(
             f"the {ctx.graph} graph needs {ledger['total']:,} bytes per rank (inputs {ledger['inputs']:,} + "
-            f"{ledger['peak']:,} held at {ledger['peak_at']}), over memory_budget={ctx.memory_budget:,}, before "
-            "counting the optimizer's state. Raise the budget, use a higher stage (3 shards the parameters), a "
+            f"{ledger['peak']:,} held at {ledger['peak_at']} + the optimizer's {ledger['optimizer']:,}), over "
+            f"memory_budget={ctx.memory_budget:,}. Raise the budget, use a higher stage (3 shards the parameters), a "
             "smaller batch, or fewer gathers in flight (prefetch=0, max_inflight_gathers=1, a smaller bucket).\n"
             + table
         )

@@ -21,6 +21,7 @@ class PassContext:
         ``forward`` / ``backward`` graphs, an ``inference`` graph (a call under ``torch.no_grad``), or an
         ``optimizer`` graph (``opt.step`` compiled with the backend).
     world_size, group_name: the process group the markers name (one group per backend).
+    optimizer_bytes: bytes per rank the prepared optimizer keeps outside every graph (state, stage-1 masters).
 
     Knobs (``fxshard.backend(stage, **knobs)``; every field below is one):
     reshard_after_forward: stage 3 only: free gathered weights after forward and gather again in backward (True,
@@ -42,6 +43,7 @@ class PassContext:
     graph: GraphKind
     world_size: int
     group_name: str
+    optimizer_bytes: int = 0
     reshard_after_forward: bool = True
     bucket: str | int = "layer"
     blocks: Sequence[str | type] = ()
@@ -53,5 +55,5 @@ class PassContext:
     reduce_dtype: torch.dtype | None = None
 
 
-FACTS = ("stage", "graph", "world_size", "group_name")
+FACTS = ("stage", "graph", "world_size", "group_name", "optimizer_bytes")
 KNOBS = tuple(f.name for f in dataclasses.fields(PassContext) if f.name not in FACTS)

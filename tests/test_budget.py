@@ -120,3 +120,35 @@ def test_peak_within_tolerance(measured_world2):
         measured = result["resident"] - grads + result["measured_peak"]  # the step starts with no gradients
         assert abs(measured - result["ledger_peak"]) <= PEAK_TOLERANCE * result["ledger_peak"], (stage, measured,
                                                                                                  result["ledger_peak"])
+
+
+def _ledgers_or_error(stage: int, memory_budget: int | None):
+    """Compile the Chain's step under ``memory_budget``: each graph's recorded ledger by kind, or the FxShardError."""
+    try:
+        with fake_process_group(2):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            backend = fxshard.backend(stage=stage, memory_budget=memory_budget)
+            model = scenarios.Chain()
+            model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
+            inputs, targets = scenarios.chain_batch(4, torch.Generator().manual_seed(0))
+            F.mse_loss(torch.compile(model, backend=backend, fullgraph=True)(inputs), targets).backward()
+    except fxshard.FxShardError as error:
+        return None, error
+    return {r.kind: r.final.meta["fxshard_ledger"] for r in backend.graphs if r.kind in ("forward", "backward")}, None
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_memory_budget_counts_the_optimizer_and_fails_compilation_over_it(stage):
+    ledgers, error = _ledgers_or_error(stage, None)
+    assert error is None
+    params = sum(p.numel() for p in scenarios.Chain().parameters())
+    for ledger in ledgers.values():
+        # AdamW's two moments over what this rank updates (flat shards on 2 ranks), plus stage 1's master shards
+        shard_elements = ledger["optimizer"] // (4 * (3 if stage == 1 else 2))
+        assert params / 2 <= shard_elements <= params / 2 + len(list(scenarios.Chain().parameters()))
+        assert ledger["total"] == ledger["inputs"] + ledger["peak"] + ledger["optimizer"]
+    largest = max(ledger["total"] for ledger in ledgers.values())
+    _, error = _ledgers_or_error(stage, largest - 1)
+    assert error is not None and "memory_budget" in str(error) and "optimizer" in str(error)
+    assert _ledgers_or_error(stage, largest)[1] is None
