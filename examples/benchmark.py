@@ -48,7 +48,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import fxshard  # noqa: E402
-from examples.models import GPT, GPTConfig  # noqa: E402
+from examples.models import GPT, Block, GPTConfig  # noqa: E402
 from examples.train_gpt import batches  # noqa: E402
 from fxshard.passes import PassContext  # noqa: E402
 
@@ -92,6 +92,9 @@ CONFIGS = [
             Config(f"fxshard-{stage}-no-prefetch", "fxshard", compiled=True, stage=stage, options={"prefetch": 0}),
         )
     ),
+    # FSDP2's grouping: one collective per block and one for the rest of the model, as fully_shard(block) for each
+    # block and fully_shard(model) shard it (fxshard's default is one collective per module that owns parameters)
+    Config("fxshard-3-block-buckets", "fxshard", compiled=True, stage=3, options={"bucket": "block", "blocks": [Block, GPT]}),
 ]
 BY_NAME = {config.name: config for config in CONFIGS}
 

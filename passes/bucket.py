@@ -42,7 +42,7 @@ from fxshard.errors import FxShardError
 from fxshard.ops import REDUCE_GRAD, UNSHARD
 
 from .context import PassContext
-from .fx_utils import marker_args, position, unit_of
+from .fx_utils import ROOT_UNIT, marker_args, position, unit_of
 
 LOWERED_REDUCTIONS = ("all_reduce", "reduce_scatter")
 
@@ -65,12 +65,12 @@ def block_prefixes(model: nn.Module | None, blocks: Iterable[str | type]) -> tup
     prefixes: list[str] = []
     for block in blocks:
         if isinstance(block, type):
-            names = [name for name, module in modules.items() if isinstance(module, block) and name]
+            names = [name for name, module in modules.items() if isinstance(module, block)]
             if not names:
                 raise FxShardError(f"blocks: no submodule of {type(model).__name__} is a {block.__name__}; "
                                    "pass module classes the model uses, or module names")
             prefixes.extend(names)
-        elif isinstance(block, str) and block in modules and block:
+        elif isinstance(block, str) and block in modules:
             prefixes.append(block)
         else:
             known = ", ".join(list(n for n in modules if n)[:8])
@@ -87,8 +87,12 @@ def _lowered(marker: fx.Node) -> bool:
 
 
 def _block_of(fqn: str, prefixes: Sequence[str]) -> str:
-    inside = [p for p in prefixes if fqn.startswith(p + ".")]
-    return max(inside, key=len) if inside else unit_of(fqn)
+    """The innermost block holding the parameter ``fqn``; the model itself (``""``, FSDP2's ``fully_shard(model)``)
+    holds whatever no inner block does, as the unit ``root``; no block at all: the parameter's own layer."""
+    inside = [p for p in prefixes if p == "" or fqn.startswith(p + ".")]
+    if not inside:
+        return unit_of(fqn)
+    return max(inside, key=len) or ROOT_UNIT
 
 
 def _buffer_bytes(marker: fx.Node, world_size: int) -> int:

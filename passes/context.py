@@ -29,7 +29,8 @@ class PassContext:
     bucket: how collectives are grouped: ``"layer"`` (one per module that owns parameters), ``"block"`` (one per
         entry of ``blocks``), or an int byte cap (greedy, in graph order).
     blocks: for ``bucket="block"``: module names (``"blocks.0"``) or module classes whose parameters share one
-        collective, like FSDP2's per-block ``fully_shard``.
+        collective, like FSDP2's per-block ``fully_shard``; the model itself (its class, or ``""``) takes what no
+        inner block holds.
     prefetch: how many units ahead an all-gather is issued (0: each gather right before its unit's compute).
     max_inflight_gathers: the most gathered buffers alive at once under prefetch.
     schedule: a researcher's ordering function ``schedule(gm, ctx) -> gm`` run in place of the prefetch pass.

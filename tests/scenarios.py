@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -48,11 +49,14 @@ def loss_of(model_name: str, model, batch) -> torch.Tensor:
 
 def train_against_reference(
     model_name: str, optimizer: str, steps: int = 5, compiled: bool = True, compiler: str = "eager", stage: int = 3,
-    clip: float | None = None,
+    clip: float | None = None, compile_step: bool = False,
 ) -> dict:
     """Train a prepared model (this rank's slice of each global batch) beside a single-process reference that
-    sees the whole global batch; return both models' full parameters before and after (and, with ``clip``, the
-    gradient norms each clipped by)."""
+    sees the whole global batch; return both models' full parameters before and after, the graphs compiled and
+    the collectives of the last step (and, with ``clip``, the gradient norms each clipped by). ``compile_step``
+    compiles ``opt.step`` with the same backend."""
+    from fxshard.measure import CollectiveCounter
+
     rank, world = rank_and_world()
     model = build_model(model_name)
     reference = copy.deepcopy(model)
@@ -61,15 +65,17 @@ def train_against_reference(
     backend = fxshard.backend(stage=stage, compiler=compiler)
     model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+    step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
     generator = torch.Generator().manual_seed(1)
     norms, reference_norms = [], []
-    for _ in range(steps):
+    for i in range(steps):
         batch = global_batch(model_name, world * PER_RANK_BATCH, generator)
         local = tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
-        loss_of(model_name, run, local).backward()
-        if clip is not None:
-            norms.append(backend.clip_grad_norm_(clip).item())
-        opt.step()
+        with CollectiveCounter() if i == steps - 1 else contextlib.nullcontext() as counter:
+            loss_of(model_name, run, local).backward()
+            if clip is not None:
+                norms.append(backend.clip_grad_norm_(clip).item())
+            step()
         opt.zero_grad()
         loss_of(model_name, reference, batch).backward()
         if clip is not None:
@@ -83,6 +89,7 @@ def train_against_reference(
         "final": model.state_dict(),
         "expected": reference.state_dict(),
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
+        "collectives": counter.totals(),
     }
 
 
@@ -474,72 +481,6 @@ def resume_from_checkpoint(stage: int, steps_before: int = 2, steps_after: int =
             "shard_elements": sum(spec_of(p).chunk for p in model.parameters())}
 
 
-def train_with_compiled_step(stage: int, compile_step: bool, model_name: str = "mlp", steps: int = 3) -> dict:
-    """Train ``model_name`` with AdamW, ``opt.step`` compiled with the same backend or run eagerly, beside a single
-    process; returns the parameters, the kinds of graphs compiled, and the collectives of the last step."""
-    from fxshard.measure import CollectiveCounter
-
-    rank, world = rank_and_world()
-    model = build_model(model_name)
-    reference = copy.deepcopy(model)
-    initial = {k: v.clone() for k, v in reference.state_dict().items()}
-    reference_opt = make_optimizer("adamw", reference.parameters())
-    backend = fxshard.backend(stage=stage)
-    model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
-    run = torch.compile(model, backend=backend, fullgraph=True)
-    step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        batch = global_batch(model_name, world * PER_RANK_BATCH, generator)
-        local = tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
-        with CollectiveCounter() as counter:
-            loss_of(model_name, run, local).backward()
-            step()
-        opt.zero_grad()
-        loss_of(model_name, reference, batch).backward()
-        reference_opt.step()
-        reference_opt.zero_grad()
-    return {
-        "initial": initial,
-        "final": model.state_dict(),
-        "expected": reference.state_dict(),
-        "graph_kinds": sorted({r.kind for r in backend.graphs}),
-        "collectives": counter.totals(),
-    }
-
-
-def simulate_against_measurement(stage: int = 3, steps: int = 6, **options) -> dict:
-    """Train the GPT of examples/models.py; the median measured step time beside fxshard.simulate's prediction
-    with this machine calibrated (fxshard.simulate.calibrate), and the prediction from 2 to 1024 ranks."""
-    import statistics
-    import time
-
-    from fxshard.simulate import calibrate, simulate
-
-    rank, world = rank_and_world()
-    model = _ledger_model("gpt")
-    backend = fxshard.backend(stage=stage, **options)
-    model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
-    run = torch.compile(model, backend=backend, fullgraph=True)
-    generator = torch.Generator().manual_seed(rank)
-    times = []
-    for i in range(steps + 2):
-        batch = _ledger_batch("gpt", generator)
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        loss_of("gpt", run, batch).backward()
-        opt.step()
-        opt.zero_grad()
-        if i >= 2:  # the first steps compile
-            times.append(time.perf_counter() - start)
-    machine = calibrate()
-    predicted = simulate(backend, world, machine=machine)
-    curve = {n: simulate(backend, n, machine=machine) for n in (2, 4, 8, 16, 64, 256, 1024)}
-    return {"measured": statistics.median(times), "predicted": predicted.step_time,
-            "compute": predicted.compute_time, "comm": predicted.comm_time, "exposed": predicted.exposed_comm,
-            "machine": machine, "curve": {n: (t.step_time, t.exposed_comm, t.hidden_fraction) for n, t in curve.items()}}
-
-
 def die_once(marker: str) -> int:
     """Rank 1 kills its own process with SIGABRT the first time (``marker`` does not exist yet), as a process
     dying under Python would; every rank returns its rank otherwise."""
@@ -553,3 +494,21 @@ def die_once(marker: str) -> int:
         os.kill(os.getpid(), signal.SIGABRT)
     torch.distributed.barrier()
     return rank
+
+
+def compiled_chain(stage: int, world: int = 2, **backend_options):
+    """The backend after one forward and backward of the Chain with AdamW, compiled under a fake process group of
+    ``world`` ranks (single process: its graphs, not its numbers)."""
+    import torch.nn.functional as F
+
+    from fxshard.testing import fake_process_group
+
+    with fake_process_group(world):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        backend = fxshard.backend(stage=stage, **backend_options)
+        model = Chain()
+        model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
+        inputs, targets = chain_batch(4, torch.Generator().manual_seed(0))
+        F.mse_loss(torch.compile(model, backend=backend, fullgraph=True)(inputs), targets).backward()
+        return backend

@@ -76,6 +76,15 @@ def test_block_buckets_one_collective_per_block():
     assert len(block0["params"]) == 12 and all(p.startswith("blocks.0.") for p in block0["params"])
 
 
+def test_the_model_itself_as_a_block_holds_what_no_inner_block_does():
+    # FSDP2's fully_shard(block) per block plus fully_shard(model): 3 all-gathers in forward, not 18
+    assert block_prefixes(GPT(), [Block, GPT]) == ("blocks.0", "blocks.1", "")
+    graphs = gpt_graphs(bucket="block", blocks=[Block, GPT], prefetch=0)
+    assert units(graphs["forward"], "all_gather") == ["root", "blocks.0", "blocks.1"]
+    root = next(r for r in graphs["forward"] if r["unit"] == "root")
+    assert set(root["params"]) == {"tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight"}
+
+
 def test_byte_cap_packs_consecutive_layers_greedily(layer_graphs, capped_backend):
     cap = CAP
     graphs = rows_of(capped_backend)

@@ -2,30 +2,17 @@
 
 import pytest
 import sympy
-import torch
-import torch.nn.functional as F
 
 import fxshard
 import scenarios
 from fxshard import budget
 from fxshard.budget import B_GRAD, B_PARAM, N, PSI
-from fxshard.testing import fake_process_group
 
 STAGES = [0, 1, 2, 3]
 
 
 def compiled_ledger(stage: int, world: int = 2, **options) -> budget.Ledger:
-    """Prepare and compile the Chain under a fake process group, run one step's forward and backward."""
-    with fake_process_group(world):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        backend = fxshard.backend(stage=stage, **options)
-        model = scenarios.Chain()
-        model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
-        run = torch.compile(model, backend=backend, fullgraph=True)
-        inputs, targets = scenarios.chain_batch(4, torch.Generator().manual_seed(0))
-        F.mse_loss(run(inputs), targets).backward()
-        return budget.ledger(backend)
+    return budget.ledger(scenarios.compiled_chain(stage, world, **options))
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +112,7 @@ def test_peak_within_tolerance(measured_world2):
 def _ledgers_or_error(stage: int, memory_budget: int | None):
     """Compile the Chain's step under ``memory_budget``: each graph's recorded ledger by kind, or the FxShardError."""
     try:
-        with fake_process_group(2):
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            backend = fxshard.backend(stage=stage, memory_budget=memory_budget)
-            model = scenarios.Chain()
-            model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
-            inputs, targets = scenarios.chain_batch(4, torch.Generator().manual_seed(0))
-            F.mse_loss(torch.compile(model, backend=backend, fullgraph=True)(inputs), targets).backward()
+        backend = scenarios.compiled_chain(stage, memory_budget=memory_budget)
     except fxshard.FxShardError as error:
         return None, error
     return {r.kind: r.final.meta["fxshard_ledger"] for r in backend.graphs if r.kind in ("forward", "backward")}, None

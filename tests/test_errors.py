@@ -27,6 +27,22 @@ def test_unknown_compiler():
         fxshard.backend(stage=3, compiler="tvm")
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"prefech": 2}, r"unknown backend option\(s\) \['prefech'\]; the options are .*prefetch"),
+    ({"bucket": "model"}, 'bucket must be "layer", "block" or a positive byte cap'),
+    ({"bucket": "block"}, 'bucket="block" needs blocks='),
+    ({"prefetch": -1}, "prefetch must be an int >= 0"),
+    ({"max_inflight_gathers": 0}, "max_inflight_gathers must be an int >= 1"),
+    ({"param_dtype": torch.int8}, "param_dtype must be a floating torch.dtype"),
+    ({"reduce_dtype": "fp32"}, "reduce_dtype must be a floating torch.dtype"),
+    ({"schedule": "prefetch-all"}, "schedule must be a function"),
+    ({"memory_budget": 0}, "memory_budget must be a positive number of bytes"),
+])
+def test_bad_backend_options(options, message):
+    with pytest.raises(fxshard.FxShardError, match=message):
+        fxshard.backend(stage=3, **options)
+
+
 def test_prepare_without_process_group():
     assert not torch.distributed.is_initialized()
     with pytest.raises(fxshard.FxShardError, match="init_process_group"):

@@ -1,31 +1,15 @@
 """fxshard.simulate: the alpha-beta timeline of the scheduled graphs (graph-only, fake process group)."""
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 import fxshard
 import scenarios
 from fxshard.simulate import Machine, collective_seconds, simulate
-from fxshard.testing import fake_process_group
-
-
-def compiled_backend(stage: int, **options):
-    with fake_process_group(2):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        backend = fxshard.backend(stage=stage, **options)
-        model = scenarios.Chain()
-        model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
-        run = torch.compile(model, backend=backend, fullgraph=True)
-        inputs, targets = scenarios.chain_batch(4, torch.Generator().manual_seed(0))
-        F.mse_loss(run(inputs), targets).backward()
-        return backend
 
 
 @pytest.fixture(scope="module")
 def stage3():
-    return {prefetch: compiled_backend(3, prefetch=prefetch) for prefetch in (0, 1)}
+    return {prefetch: scenarios.compiled_chain(3, prefetch=prefetch) for prefetch in (0, 1)}
 
 
 SLOW_NET = Machine(flops_per_s=1e6, memory_bandwidth=1e7, bandwidth=1e5, latency=1e-4)
@@ -60,7 +44,7 @@ def test_ring_costs():
 
 
 def test_stage_1_adds_the_optimizer_steps_collectives_unhidden():
-    timeline = simulate(compiled_backend(1), 2, machine=SLOW_NET)
+    timeline = simulate(scenarios.compiled_chain(1), 2, machine=SLOW_NET)
     step_events = [e for e in timeline.events if e.graph == "optimizer step"]
     assert {e.node for e in step_events} == {"all_gather", "reduce_scatter"}
     assert timeline.exposed_comm >= sum(e.end - e.start for e in step_events) - 1e-12
