@@ -205,17 +205,12 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
 def calibrate(group=None, sizes=(1 << 12, 1 << 20), repeats: int = 5) -> Machine:
     """Measure this machine and process group: matmul FLOP/s, copy bandwidth, a per-op overhead, and the ring's
     latency and bandwidth from all-gathers of two sizes (a collective: every rank must call it)."""
-    import time
-
     import torch.distributed as dist
 
+    from .passes.cost_model import best_time
+
     def best(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
+        return best_time(fn, repeats)
 
     a = torch.randn(256, 256)
     flops = 2 * 256**3 / best(lambda: a @ a)

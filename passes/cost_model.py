@@ -70,6 +70,17 @@ def _is_free(node: fx.Node) -> bool:
         isinstance(target, torch._ops.OpOverload) and target.is_view)
 
 
+def best_time(fn, repeats: int = 5) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn`` (after one untimed warm-up call), in seconds."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Seconds per node: ``compute_s`` for computation, ``collective_s`` for communication (see the module doc)."""
@@ -108,13 +119,7 @@ class CostModel:
         import torch.distributed as dist
 
         def best(fn) -> float:
-            fn()
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            return min(times)
+            return best_time(fn, repeats)
 
         a = torch.randn(256, 256)
         flops_per_s = 2 * 256**3 / best(lambda: a @ a)
