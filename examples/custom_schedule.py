@@ -15,20 +15,18 @@ buffer alive at once, so the most memory), every wait left where it was. It find
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import fx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import fxshard  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
+from examples.train_gpt import spawn_ranks  # noqa: E402
 from fxshard.passes import PassContext  # noqa: E402
 from fxshard.passes.prefetch import reorder  # noqa: E402
 
@@ -82,12 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=2)
-    args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(train, args=(args.world_size, port, args), nprocs=args.world_size)
+    spawn_ranks(train, parser.parse_args())
 
 
 if __name__ == "__main__":

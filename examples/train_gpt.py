@@ -77,7 +77,11 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--stage", type=int, default=3)
-    args = parser.parse_args()
+    spawn_ranks(train, parser.parse_args())
+
+
+def spawn_ranks(train, args) -> None:
+    """Run ``train(rank, world_size, port, args)`` on ``args.world_size`` processes of this machine, one thread each."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
