@@ -214,11 +214,11 @@ def annotate_optimizer_graph(gm: torch.fx.GraphModule, example_inputs) -> list[t
     published into; returns the shards it will publish (empty: not an optimizer graph, or nothing to publish).
     Dynamo hands an optimizer's parameters to the backend as attributes of ``gm`` (``get_attr``), its gradients
     as inputs. The ShardedStep's eager post-step gather skips what the graph published."""
-    values = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+    inputs = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+    attributes = dict(gm.named_parameters())
     updated = []
     for node in _mutated_tensors(gm):
-        value = values.get(node) if node.op == "placeholder" else gm.get_submodule("").get_parameter(node.target) \
-            if node.target in dict(gm.named_parameters()) else None
+        value = inputs.get(node) if node.op == "placeholder" else attributes.get(node.target)
         if value is not None and spec_of(value) is not None:
             updated.append((node, value))
     published = []
