@@ -19,12 +19,12 @@ import math
 import torch
 from torch import nn
 from torch._dynamo.source import ConstantSource
-from torch.utils.weak import WeakIdKeyDictionary
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import FxShardError
-from .passes.fx_utils import unit_of
 from .ops import reduce_grad
+from .passes.fx_utils import unit_of
 from .prepare import (
     FULL_COPY_OF, GRAD_SYNC_OF, MASTER_OF, REPLACED_BY_SHARD, SPEC_OF, GradSync, gather_full, spec_of,
 )
@@ -44,6 +44,7 @@ ELEMENTWISE_OPTIMIZERS = (
     torch.optim.NAdam,
     torch.optim.RAdam,
 )
+
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter]) -> None:
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
