@@ -35,6 +35,7 @@ import torch
 from torch import fx
 
 from .errors import FxShardError
+from .passes.fx_utils import COLLECTIVE_ROLES
 
 N = sympy.Symbol("N", positive=True, integer=True)
 PSI = sympy.Symbol("Ψ", positive=True)
@@ -43,7 +44,6 @@ WIDTHS = (B_PARAM, B_GRAD, B_MASTER, B_STATE)
 # The ZeRO paper's mixed-precision Adam accounting: 2-byte parameters and gradients, fp32 master copy and moments.
 ZERO_PAPER_WIDTHS = {B_PARAM: 2, B_GRAD: 2, B_MASTER: 4, B_STATE: 4}
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 MEMORY_ITEMS = ("compute copy", "master", "gradients", "optimizer state")
 
 # What each elementwise optimizer keeps per element of what it updates (0-dim "step" counters are not counted).
@@ -290,7 +290,7 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[lis
     for index, node in enumerate(gm.graph.nodes):
         meta = _meta(node)
         kind = meta.get("role")
-        if kind not in COLLECTIVES:
+        if kind not in COLLECTIVE_ROLES:
             continue
         buffer = node.args[0].meta["val"]
         params = sizes.of_sites(meta.get("params", []))

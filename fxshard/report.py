@@ -11,8 +11,8 @@ from tabulate import tabulate
 
 from . import budget
 from .errors import FxShardError
+from .passes.fx_utils import COLLECTIVE_ROLES
 
-COLLECTIVE_ROLES = ("all_gather", "reduce_scatter", "all_reduce")
 FORMATS = ("text", "json")
 
 

@@ -25,8 +25,8 @@ from torch import fx
 
 from .budget import N
 from .errors import FxShardError
-
-COLLECTIVE_ROLES = ("all_gather", "reduce_scatter", "all_reduce")
+from .passes.cost_model import node_flops, tensor_bytes
+from .passes.fx_utils import COLLECTIVE_ROLES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,35 +67,9 @@ class Timeline:
         return 1.0 if self.comm_time == 0 else 1.0 - self.exposed_comm / self.comm_time
 
 
-def _flops(node: fx.Node) -> float | None:
-    from torch.utils.flop_counter import flop_registry
-
-    packet = getattr(node.target, "overloadpacket", None)
-    if packet not in flop_registry:
-        return None
-
-    def value(arg):
-        return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
-
-    args = torch.utils._pytree.tree_map(value, node.args)
-    kwargs = torch.utils._pytree.tree_map(value, node.kwargs)
-    try:
-        return float(flop_registry[packet](*args, out_val=node.meta.get("val"), **kwargs))
-    except Exception:  # a formula that does not take this overload's arguments: cost it by bytes instead
-        return None
-
-
-def _bytes_of(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return int(value.numel()) * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_bytes_of(v) for v in value)
-    return 0
-
-
 def compute_seconds(node: fx.Node, machine: Machine) -> float:
-    flops = _flops(node)
-    work = flops / machine.flops_per_s if flops is not None else _bytes_of(node.meta.get("val")) / machine.memory_bandwidth
+    flops = node_flops(node)
+    work = flops / machine.flops_per_s if flops else tensor_bytes(node.meta.get("val")) / machine.memory_bandwidth
     return work + machine.op_overhead
 
 
@@ -109,8 +83,8 @@ def collective_seconds(kind: str, full_bytes: float, world: int, machine: Machin
 
 def _full_bytes(node: fx.Node, kind: str) -> float:
     if kind == "all_gather":
-        return _bytes_of(node.meta.get("val"))  # the gathered output
-    return _bytes_of(node.args[0].meta.get("val"))  # what is reduced
+        return tensor_bytes(node.meta.get("val"))  # the gathered output
+    return tensor_bytes(node.args[0].meta.get("val"))  # what is reduced
 
 
 def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, start: float = 0.0):

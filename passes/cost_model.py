@@ -28,8 +28,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-COLLECTIVE_ROLES = ("all_gather", "reduce_scatter", "all_reduce")
-
+from .fx_utils import COLLECTIVE_ROLES
 
 def _hint(value) -> int:
     """A concrete int for a (possibly symbolic) size: dynamic batch sizes are SymInts with a hint."""

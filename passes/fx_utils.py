@@ -8,6 +8,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 
 ROOT_UNIT = "root"
+# meta["fxshard"]["role"] of the nodes lower_collectives_pass makes that communicate
+COLLECTIVE_ROLES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def unit_of(fqn: str) -> str:

@@ -35,7 +35,7 @@ from torch import fx
 from fxshard.ops import REDUCE_GRAD, UNSHARD
 
 from .context import PassContext
-from .fx_utils import fxshard_meta, marker_args, position, refresh_fake_values, unit_of
+from .fx_utils import COLLECTIVE_ROLES, fxshard_meta, marker_args, position, refresh_fake_values, unit_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -65,7 +65,7 @@ class _Emitter:
     def __call__(self, role: str, target, *args, name: str | None = None) -> fx.Node:
         # Collectives and waits are named after their unit, gathered weights after their parameter, so a printed
         # graph reads "wait_blocks_0_attn_qkv" and "blocks_0_attn_qkv_weight".
-        if role in ("all_gather", "reduce_scatter", "all_reduce", "wait"):
+        if role in (*COLLECTIVE_ROLES, "wait"):
             name = f"{role}_{self.unit}"
         name = name and name.replace(".", "_")
         node = self.graph.create_node("call_function", target, args, name=name)

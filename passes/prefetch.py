@@ -43,8 +43,8 @@ from torch import fx
 from fxshard.errors import FxShardError
 
 from .context import PassContext
-from .cost_model import COLLECTIVE_ROLES, CostModel
-from .fx_utils import position
+from .cost_model import CostModel
+from .fx_utils import COLLECTIVE_ROLES, position
 
 SCHEDULED_GRAPHS = ("forward", "backward", "inference")
 _PLACED = ("placeholder", "output")  # never moved: inputs stay first, the output last
