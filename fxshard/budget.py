@@ -611,6 +611,24 @@ def sizes_at(expr: sympy.Expr, values: dict) -> int:
     return int(sympy.sympify(expr).subs(values))
 
 
+def graph_ledger(gm: fx.GraphModule, graph: str, world_size: int, optimizer_bytes: int = 0) -> dict:
+    """What one lowered graph (of kind ``graph``) needs per rank, in bytes, with ``optimizer_bytes`` kept outside it:
+    ``{"inputs", "peak", "peak_at", "optimizer", "total", "terms": [(item, node, bytes)]}`` (see passes/budget.py)."""
+    sizes = _Sizes([], world_size)
+    held = live_peak(gm, graph, sizes, grads={})
+    peak_terms = [t for t in held if t.item != "peak point"]
+    inputs = [p for p in gm.graph.find_nodes(op="placeholder")
+              if _input_index(p) is not None and hasattr(p.meta.get("val"), "element_size")]
+    input_bytes = sum(int(p.meta["val"].numel()) * p.meta["val"].element_size() for p in inputs)
+    terms = [("input", p.name, int(p.meta["val"].numel()) * p.meta["val"].element_size()) for p in inputs]
+    terms += [(t.item, t.source.split(": ", 1)[1], sizes_at(t.bytes, sizes.values)) for t in peak_terms]
+    peak = sum(b for item, _, b in terms if item != "input")
+    if optimizer_bytes:
+        terms.append(("optimizer", "state and masters", optimizer_bytes))
+    return {"inputs": input_bytes, "peak": peak, "peak_at": held[-1].source, "optimizer": optimizer_bytes,
+            "total": input_bytes + peak + optimizer_bytes, "terms": terms}
+
+
 def optimizer_bytes(optimizer, model) -> int:
     """Bytes per rank the optimizer keeps that no graph of the model takes as input: its state for every element
     it updates (the state kinds of ``optimizer_state_kinds``, allocated at the first step), and the tensors it

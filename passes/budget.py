@@ -20,33 +20,16 @@ from __future__ import annotations
 from tabulate import tabulate
 from torch import fx
 
-from fxshard import budget as ledger_lib
+from fxshard.budget import graph_ledger
 from fxshard.errors import FxShardError
 
 from .context import PassContext
 
 
-def graph_ledger(gm: fx.GraphModule, ctx: PassContext) -> dict:
-    """What this graph alone needs per rank, in bytes (see the module docstring)."""
-    sizes = ledger_lib._Sizes([], ctx.world_size)
-    held = ledger_lib.live_peak(gm, ctx.graph, sizes, grads={})
-    peak_terms = [t for t in held if t.item != "peak point"]
-    inputs = [p for p in gm.graph.find_nodes(op="placeholder")
-              if ledger_lib._input_index(p) is not None and hasattr(p.meta.get("val"), "element_size")]
-    input_bytes = sum(int(p.meta["val"].numel()) * p.meta["val"].element_size() for p in inputs)
-    terms = [("input", p.name, int(p.meta["val"].numel()) * p.meta["val"].element_size()) for p in inputs]
-    terms += [(t.item, t.source.split(": ", 1)[1], ledger_lib.sizes_at(t.bytes, sizes.values)) for t in peak_terms]
-    peak = sum(b for item, _, b in terms if item != "input")
-    if ctx.optimizer_bytes:
-        terms.append(("optimizer", "state and masters", ctx.optimizer_bytes))
-    return {"inputs": input_bytes, "peak": peak, "peak_at": held[-1].source, "optimizer": ctx.optimizer_bytes,
-            "total": input_bytes + peak + ctx.optimizer_bytes, "terms": terms}
-
-
 def budget_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.graph not in ("forward", "backward", "inference"):
         return gm
-    ledger = graph_ledger(gm, ctx)
+    ledger = graph_ledger(gm, ctx.graph, ctx.world_size, ctx.optimizer_bytes)
     gm.meta["fxshard_ledger"] = ledger
     by_name = {node.name: node for node in gm.graph.nodes}
     for item, name, nbytes in ledger["terms"]:

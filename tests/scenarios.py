@@ -395,6 +395,7 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
     (collective bytes and calls by kind, bytes of each kind of state), optionally the step's peak."""
     from fxshard import budget
     from fxshard.measure import CollectiveCounter
+    from fxshard.passes.fx_utils import COLLECTIVE_ROLES
 
     rank, world = rank_and_world()
     results = {}
@@ -428,7 +429,7 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
             "gradients": ledger.at(sum((t.bytes for t in ledger.select("memory", "gradients")), 0)),
             "optimizer state": ledger.at(sum((t.bytes for i in state_items for t in ledger.select("memory", i)), 0)),
             "collectives": {k: (ledger.at(ledger.communicated(k)), ledger.calls(k))
-                            for k in budget.COLLECTIVES if ledger.calls(k)},
+                            for k in COLLECTIVE_ROLES if ledger.calls(k)},
         }
         results[stage] = {"measured": measured, "ledger": predicted, "resident": ledger.at(ledger.resident()),
                           "ledger_peak": ledger.at(ledger.peak()), "world": world}
