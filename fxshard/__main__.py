@@ -8,7 +8,8 @@
 running it: it compiles a small stand-in (bias-free linear layers whose backward reads every weight, the ZeRO paper's
 assumption) for each stage under a fake process group, takes the ledger's closed form from those graphs and
 evaluates it at your sizes. ``report`` runs a training script in this process (under ``torchrun``, once per rank)
-and prints each prepared backend's ledger beside the collective bytes measured per optimizer step.
+and prints each prepared backend's ledger beside the collective bytes measured in its last optimizer step (the
+script must run two or more: the first compiles, and compiling runs collectives of its own).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def _report(args, script_args: list[str]) -> int:
     from .measure import CollectiveCounter
     from .report import ledger_report
 
-    backends, steps = [], [0]
+    backends = []
     original_prepare = api.Backend.prepare
 
     def recording_prepare(self, *a, **k):
@@ -129,24 +130,29 @@ def _report(args, script_args: list[str]) -> int:
         return original_prepare(self, *a, **k)
 
     api.Backend.prepare = recording_prepare
-    handle = register_optimizer_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
     sys.argv = [args.script, *script_args]
-    try:
-        with CollectiveCounter() as counter:
+    with CollectiveCounter() as counter:
+        handle = register_optimizer_step_post_hook(lambda *a: counter.mark_step())
+        try:
             runpy.run_path(args.script, run_name="__main__")
-    finally:
-        api.Backend.prepare = original_prepare
-        handle.remove()
+        finally:
+            api.Backend.prepare = original_prepare
+            handle.remove()
     if not backends:
         raise FxShardError(f"{args.script} prepared no fxshard backend in this process (scripts that spawn their "
                            "ranks, e.g. with torch.multiprocessing, report nothing here: run each rank under "
                            "torchrun: `torchrun --nproc-per-node 2 -m fxshard report script.py`)")
-    measured = {"totals": counter.totals(), "steps": steps[0] // max(1, len(backends))}
+    if len(backends) > 1 or counter.steps < 2:
+        why = "several backends step in one run" if len(backends) > 1 else f"it ran {counter.steps} optimizer step(s)"
+        print(f"fxshard: no measured column: {why}; the report measures the last of two or more steps of one "
+              "backend (the first step compiles, and compiling runs collectives of its own)", file=sys.stderr)
+        counter = None
     for backend in backends:
         ledger = budget.ledger(backend)
-        print(ledger_report(ledger, format=args.format, measured=measured,
-                            title=f"{args.script}: fxshard stage {backend.stage}, measured per step over "
-                                  f"{measured['steps']} optimizer steps"))
+        title = f"{args.script}: fxshard stage {backend.stage}"
+        if counter is not None:
+            title += f", measured in the last of {counter.steps} optimizer steps"
+        print(ledger_report(ledger, format=args.format, measured=counter, title=title))
     return 0
 
 

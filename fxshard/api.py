@@ -236,7 +236,8 @@ class Backend:
     # -- reporting ----------------------------------------------------------------------------------------------
     def report(self, format: str = "text", measured=None) -> str:
         """The step's ledger (``fxshard.budget``) as a table per rewritten step: closed form, bytes at this run,
-        the measured bytes where ``measured`` (a ``fxshard.measure.CollectiveCounter`` around one step) gives them,
+        the measured bytes where ``measured`` (a ``fxshard.measure.CollectiveCounter`` around one step, or
+        around several with ``mark_step()`` after each: the last one counts) gives them,
         and the collective schedule; ``format="json"`` for tools. Before a forward and backward ran, or without an
         optimizer, only the collectives of the graphs compiled so far."""
         from . import budget

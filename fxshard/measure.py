@@ -8,6 +8,10 @@ It reads torch's profiler, so it sees collectives wherever they run (compiled gr
 implementations, the optimizer's step hooks) without disturbing torch.compile, which refuses to run compiled code
 under a Python dispatch mode. Sizes are what each rank contributes: the all-gather input, the reduce-scatter and
 all-reduce inputs.
+
+A script that runs several steps inside one counter calls ``counter.mark_step()`` after each (``python -m fxshard
+report`` does it from an optimizer step hook); ``totals(step=-1)`` then sums one step alone. The first step of a
+compiled model is not a fair sample: compiling runs real collectives too (the prefetch pass's cost model times them).
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ import collections
 import dataclasses
 import math
 
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from .errors import FxShardError
 
 _KINDS = {
     "_c10d_functional::all_gather_into_tensor": "all_gather",
     "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
     "_c10d_functional::all_reduce": "all_reduce",
 }
+_STEP_MARK = "fxshard::step_end"
 _ITEM_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
 
@@ -31,6 +38,7 @@ class CollectiveRecord:
     kind: str
     elements: int
     bytes: int
+    step: int  # how many ``mark_step`` calls came before it
 
 
 class CollectiveCounter:
@@ -38,22 +46,39 @@ class CollectiveCounter:
 
     def __init__(self):
         self.records: list[CollectiveRecord] = []
+        self.steps = 0  # completed steps: ``mark_step`` calls
         self._profile = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
 
     def __enter__(self) -> "CollectiveCounter":
         self._profile.__enter__()
         return self
 
+    def mark_step(self) -> None:
+        """End a step: the collectives recorded from here on belong to the next one."""
+        with record_function(_STEP_MARK):
+            self.steps += 1
+
     def __exit__(self, *exc) -> None:
         self._profile.__exit__(*exc)
+        step = 0
         for event in sorted(self._profile.events(), key=lambda e: e.time_range.start):
-            kind = _KINDS.get(event.name)
-            if kind is not None:
+            if event.name == _STEP_MARK:
+                step += 1
+            elif (kind := _KINDS.get(event.name)) is not None:
                 elements = math.prod(event.input_shapes[0])
-                self.records.append(CollectiveRecord(kind, elements, elements * _ITEM_BYTES[event.input_dtypes[0]]))
+                self.records.append(CollectiveRecord(kind, elements, elements * _ITEM_BYTES[event.input_dtypes[0]],
+                                                     step))
 
-    def totals(self) -> dict[str, dict[str, int]]:
+    def totals(self, step: int | None = None) -> dict[str, dict[str, int]]:
+        """Calls, elements and bytes by kind: of every record, or of one step (``-1``: the last completed one)."""
+        if step is not None:
+            if not self.steps:
+                raise FxShardError("totals(step=...) needs steps: call counter.mark_step() after each step")
+            if not -self.steps <= step < self.steps:
+                raise FxShardError(f"step {step} was not recorded: the counter saw {self.steps} completed steps")
+            step %= self.steps
         sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         for record in self.records:
-            sums[record.kind].update(calls=1, elements=record.elements, bytes=record.bytes)
+            if step is None or record.step == step:
+                sums[record.kind].update(calls=1, elements=record.elements, bytes=record.bytes)
         return {kind: dict(counter) for kind, counter in sums.items()}

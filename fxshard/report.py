@@ -49,15 +49,15 @@ def collective_report(records) -> str:
 
 
 def _per_step(measured) -> dict[str, int] | None:
-    """Collective input bytes per step by kind from a ``CollectiveCounter`` (or its ``totals()``, or a dict
-    ``{"totals": ..., "steps": n}`` averaged over n steps)."""
+    """Collective input bytes of one step by kind, from a ``CollectiveCounter`` (its last marked step if it has
+    any, else everything it recorded) or from a ``totals()`` dict of one step."""
     if measured is None:
         return None
-    steps = 1
-    if isinstance(measured, dict) and "totals" in measured:
-        measured, steps = measured["totals"], max(1, measured.get("steps", 1))
-    totals = measured.totals() if hasattr(measured, "totals") else measured
-    return {kind: totals.get(kind, {}).get("bytes", 0) / steps for kind in COLLECTIVE_ROLES}
+    if hasattr(measured, "totals"):
+        totals = measured.totals(step=-1) if getattr(measured, "steps", 0) else measured.totals()
+    else:
+        totals = measured
+    return {kind: totals.get(kind, {}).get("bytes", 0) for kind in COLLECTIVE_ROLES}
 
 
 def ledger_rows(ledger: budget.Ledger, measured=None) -> list[dict]:
@@ -91,7 +91,7 @@ def ledger_rows(ledger: budget.Ledger, measured=None) -> list[dict]:
 
 def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None, title: str = "") -> str:
     """The ledger as a table (``format="text"``) or JSON: each line's closed form, its value at this run's sizes,
-    the measured value where ``measured`` (a ``CollectiveCounter`` of one step) gives one, then the per-layer
+    the measured value where ``measured`` (a ``CollectiveCounter``: its last marked step) gives one, then the per-layer
     collective schedule in graph order."""
     if format not in FORMATS:
         raise FxShardError(f"format must be one of {FORMATS}, got {format!r}")

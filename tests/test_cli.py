@@ -1,6 +1,8 @@
 """python -m fxshard budget / report."""
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -46,15 +48,32 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+def _report(script: pathlib.Path) -> subprocess.CompletedProcess:
+    root = pathlib.Path(__file__).parents[1]
+    return subprocess.run([sys.executable, "-m", "fxshard", "report", "--format", "json", str(script)],
+                          capture_output=True, text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+
+
 def test_report_runs_a_script_and_prints_its_ledger(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    out = subprocess.run([sys.executable, "-m", "fxshard", "report", "--format", "json", str(script)],
-                         capture_output=True, text=True, timeout=120, cwd=str(__import__("pathlib").Path(__file__).parents[1]),
-                         env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])})
+    out = _report(script)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout[out.stdout.index("{"):])
-    rows = {r["what"]: r for r in report["ledger"]}
-    gathers = next(r for w, r in rows.items() if w.startswith("all_gather input"))
-    assert gathers["bytes"] > 0 and gathers["measured"] > 0  # world 1: the gathers still run, on one rank
+    comm = [r for r in report["ledger"] if r["what"].endswith("calls)")]
+    assert {r["what"].split()[0] for r in comm} == {"all_gather", "reduce_scatter"}
+    for row in comm:  # the last of the two steps: the first one also ran the cost model's timing collectives
+        assert row["measured"] == row["bytes"] > 0, row
     assert report["schedule"][0]["collective"] == "all_gather"
+    assert "measured in the last of 2 optimizer steps" in report["title"]
+
+
+def test_report_of_a_single_step_has_no_measured_column(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("range(2)", "range(1)"))
+    out = _report(script)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no measured column: it ran 1 optimizer step(s)" in out.stderr
+    report = json.loads(out.stdout[out.stdout.index("{"):])
+    assert all(r["measured"] is None for r in report["ledger"])

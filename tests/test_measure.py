@@ -1,0 +1,35 @@
+"""fxshard.measure.CollectiveCounter: collectives by kind and size, split into steps by mark_step."""
+
+import pytest
+import torch
+from torch.distributed._functional_collectives import all_gather_tensor, reduce_scatter_tensor
+
+import fxshard
+from fxshard.measure import CollectiveCounter
+from fxshard.testing import fake_process_group
+
+
+def test_counts_each_step_apart():
+    with fake_process_group(2) as group:
+        with CollectiveCounter() as counter:
+            all_gather_tensor(torch.ones(3), 0, group).wait()  # step 0
+            counter.mark_step()
+            all_gather_tensor(torch.ones(5, dtype=torch.bfloat16), 0, group).wait()  # step 1
+            reduce_scatter_tensor(torch.ones(8), "sum", 0, group).wait()
+            counter.mark_step()
+    assert counter.steps == 2
+    assert counter.totals(step=0) == {"all_gather": {"calls": 1, "elements": 3, "bytes": 12}}
+    assert counter.totals(step=-1) == {"all_gather": {"calls": 1, "elements": 5, "bytes": 10},
+                                       "reduce_scatter": {"calls": 1, "elements": 8, "bytes": 32}}
+    assert counter.totals()["all_gather"] == {"calls": 2, "elements": 8, "bytes": 22}
+
+
+def test_asking_for_a_step_that_was_not_marked_says_what_to_do():
+    with CollectiveCounter() as unmarked:
+        pass
+    with pytest.raises(fxshard.FxShardError, match="call counter.mark_step"):
+        unmarked.totals(step=-1)
+    with CollectiveCounter() as counter:
+        counter.mark_step()
+    with pytest.raises(fxshard.FxShardError, match="saw 1 completed steps"):
+        counter.totals(step=1)
