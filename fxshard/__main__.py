@@ -9,7 +9,8 @@ running it: it compiles a small stand-in (bias-free linear layers whose backward
 assumption) for each stage under a fake process group, takes the ledger's closed form from those graphs and
 evaluates it at your sizes. ``report`` runs a training script in this process (under ``torchrun``, once per rank)
 and prints each prepared backend's ledger beside the collective bytes measured in its last optimizer step (the
-script must run two or more: the first compiles, and compiling runs collectives of its own).
+script must run two or more: the first compiles, and the profiler also records the collectives that compiling
+traces on fake tensors).
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def _report(args, script_args: list[str]) -> int:
     if len(backends) > 1 or counter.steps < 2:
         why = "several backends step in one run" if len(backends) > 1 else f"it ran {counter.steps} optimizer step(s)"
         print(f"fxshard: no measured column: {why}; the report measures the last of two or more steps of one "
-              "backend (the first step compiles, and compiling runs collectives of its own)", file=sys.stderr)
+              "backend (the first step compiles, and the profiler also records the collectives compiling traces)",
+              file=sys.stderr)
         counter = None
     for backend in backends:
         ledger = budget.ledger(backend)

@@ -11,7 +11,8 @@ all-reduce inputs.
 
 A script that runs several steps inside one counter calls ``counter.mark_step()`` after each (``python -m fxshard
 report`` does it from an optimizer step hook); ``totals(step=-1)`` then sums one step alone. The first step of a
-compiled model is not a fair sample: compiling runs real collectives too (the prefetch pass's cost model times them).
+compiled model is not a fair sample: compiling traces the graphs on fake tensors, and the profiler records those
+collective calls as if they ran.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_report_runs_a_script_and_prints_its_ledger(tmp_path):
     report = json.loads(out.stdout[out.stdout.index("{"):])
     comm = [r for r in report["ledger"] if r["what"].endswith("calls)")]
     assert {r["what"].split()[0] for r in comm} == {"all_gather", "reduce_scatter"}
-    for row in comm:  # the last of the two steps: the first one also ran the cost model's timing collectives
+    for row in comm:  # the last of the two steps: the profiler also saw the first one's compile-time tracing
         assert row["measured"] == row["bytes"] > 0, row
     assert report["schedule"][0]["collective"] == "all_gather"
     assert "measured in the last of 2 optimizer steps" in report["title"]
