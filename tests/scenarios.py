@@ -497,19 +497,20 @@ def die_once(marker: str) -> int:
     return rank
 
 
-def compiled_chain(stage: int, world: int = 2, **backend_options):
-    """The backend after one forward and backward of the Chain with AdamW, compiled under a fake process group of
-    ``world`` ranks (single process: its graphs, not its numbers)."""
-    import torch.nn.functional as F
-
+def compiled_model(model_name: str, stage: int, world: int = 2, **backend_options):
+    """The backend after one forward and backward of a model (``"chain"`` or a ``build_model`` name) with AdamW,
+    compiled under a fake process group of ``world`` ranks (single process: its graphs, not its numbers)."""
     from fxshard.testing import fake_process_group
 
     with fake_process_group(world):
         torch._dynamo.reset()
-        torch.manual_seed(0)
         backend = fxshard.backend(stage=stage, **backend_options)
-        model = Chain()
+        model = _ledger_model(model_name)
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
-        inputs, targets = chain_batch(4, torch.Generator().manual_seed(0))
-        F.mse_loss(torch.compile(model, backend=backend, fullgraph=True)(inputs), targets).backward()
+        batch = _ledger_batch(model_name, torch.Generator().manual_seed(0))
+        loss_of(model_name, torch.compile(model, backend=backend, fullgraph=True), batch).backward()
         return backend
+
+
+def compiled_chain(stage: int, world: int = 2, **backend_options):
+    return compiled_model("chain", stage, world, **backend_options)

@@ -2,6 +2,7 @@
 
 import pytest
 import sympy
+import torch
 
 import fxshard
 import scenarios
@@ -62,6 +63,23 @@ def test_keeping_gathered_weights_for_backward_changes_the_ledger_not_a_table():
     sent = ledger.closed_form(ledger.communicated(moved=True).subs({B_PARAM: b, B_GRAD: b}))
     assert sympy.simplify(sent - 2 * b * PSI * (N - 1) / N) == 0, sent
     assert ledger.calls("all_gather") == 3
+
+
+def test_gpt_stage_3_gathers_what_backward_reads():
+    # the closed form of docs/budget.md, read off the GPT's graphs: the tied embedding is gathered at both of its
+    # use sites; backward re-gathers every weight but the position embedding and the linear layers' biases
+    gpt = scenarios.build_model("gpt")
+    psi = {name: budget.psi(name) for name, _ in gpt.named_parameters()}
+    linear_biases = [psi[f"{name}.bias"] for name, module in gpt.named_modules() if isinstance(module, torch.nn.Linear)
+                     and module.bias is not None]
+    expected = {
+        True: 2 * PSI + psi["tok_emb.weight"] - psi["pos_emb.weight"] - sympy.Add(*linear_biases),
+        False: PSI + psi["tok_emb.weight"],
+    }
+    for reshard, elements in expected.items():
+        ledger = budget.ledger(scenarios.compiled_model("gpt", 3, reshard_after_forward=reshard))
+        gathered = ledger.closed_form(ledger.communicated("all_gather"))
+        assert sympy.simplify(gathered - B_PARAM * elements / N) == 0, (reshard, gathered)
 
 
 def test_padding_is_exact_at_the_run_and_gone_in_the_closed_form(ledgers):
