@@ -19,8 +19,8 @@ Nothing here is a table keyed by ZeRO stage. Every term comes from a node (or th
   copy the graph reads, and where a gradient arrives full but the master is a shard, by a reduce-scatter.
 
 Symbols: ``N`` (world size), one element count ``ψ[name]`` per trainable parameter (``Ψ`` is their sum), byte
-widths ``b_param`` (the copy the graph reads), ``b_grad``, ``b_master``, ``b_state``, and the graph's own size
-symbols when it was compiled with dynamic shapes. A shard of ``ψ`` elements holds ``ceiling(ψ/N)`` (flat padded
+widths ``b_param`` (the copy the graph reads), ``b_grad``, ``b_master``, ``b_state``, and with dynamic shapes the
+graph's size symbols, named ``batch``/``seq`` after the model input dimension they come from. A shard of ``ψ`` elements holds ``ceiling(ψ/N)`` (flat padded
 sharding); :meth:`Ledger.closed_form` assumes N divides every parameter and writes the sum as Ψ.
 """
 
@@ -44,7 +44,8 @@ WIDTHS = (B_PARAM, B_GRAD, B_MASTER, B_STATE)
 # The ZeRO paper's mixed-precision Adam accounting: 2-byte parameters and gradients, fp32 master copy and moments.
 ZERO_PAPER_WIDTHS = {B_PARAM: 2, B_GRAD: 2, B_MASTER: 4, B_STATE: 4}
 
-MEMORY_ITEMS = ("compute copy", "master", "gradients", "optimizer state")
+# Names of a model input's leading dimensions when the graph has symbolic sizes (``torch.compile(dynamic=True)``).
+SIZE_NAMES = ("batch", "seq")
 
 # What each elementwise optimizer keeps per element of what it updates (0-dim "step" counters are not counted).
 def optimizer_state_kinds(name: str, group: dict) -> tuple[str, ...]:
@@ -246,16 +247,6 @@ def parameters_of_joint(joint: fx.GraphModule, names: dict[tuple, str] | None = 
     return found
 
 
-def _numel_expr(value) -> tuple[sympy.Expr, dict]:
-    """A tensor's element count as a sympy expression (symbolic for dynamic shapes) and the sizes it was run at."""
-    numel = value.numel()
-    if isinstance(numel, torch.SymInt):
-        expr = sympy.sympify(numel.node.expr)
-        shape_env = numel.node.shape_env
-        return expr, {s: int(shape_env.var_to_val[s]) for s in expr.free_symbols if s in shape_env.var_to_val}
-    return sympy.Integer(int(numel)), {}
-
-
 class _Sizes:
     """Maps tensors of the graphs to expressions in the parameters' counts, checked against their real sizes."""
 
@@ -263,9 +254,41 @@ class _Sizes:
         self.params = {p.name: p for p in params}
         self.by_site = {site: p for p in self.params.values() for site in (p.sites or [p.name])}
         self.values: dict[sympy.Symbol, int] = {N: world_size, **{p.count: p.numel for p in self.params.values()}}
+        self.size_names: dict[str, sympy.Symbol] = {}  # name given -> torch's size symbol
 
     def of_sites(self, sites) -> list[_Param]:
         return list({id(self.by_site[s]): self.by_site[s] for s in sites if s in self.by_site}.values())
+
+    def numel_of(self, value: torch.Tensor) -> sympy.Expr:
+        """A tensor's element count as an expression: a number, or for dynamic shapes, in the graph's size
+        symbols named after the model input dimension each came from (their sizes in this run join ``values``)."""
+        numel = value.numel()
+        if not isinstance(numel, torch.SymInt):
+            return sympy.Integer(int(numel))
+        expr = sympy.sympify(numel.node.expr)
+        shape_env = numel.node.shape_env
+        named = {}
+        for symbol in expr.free_symbols:
+            named[symbol] = self._size_symbol(symbol, shape_env)
+            if symbol in shape_env.backed_var_to_val:
+                self.values[named[symbol]] = int(shape_env.backed_var_to_val[symbol])
+        return expr.xreplace(named)
+
+    def _size_symbol(self, symbol: sympy.Symbol, shape_env) -> sympy.Symbol:
+        """``batch`` for dim 0 of a model input, ``seq`` for dim 1, ``<input>_dim<k>`` beyond (suffixed with
+        torch's name where two sizes would share one); torch's own name where Dynamo recorded no input for it."""
+        from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
+
+        name = symbol.name
+        for source in shape_env.var_to_sources.get(symbol, []):
+            if (isinstance(source, TensorPropertySource) and source.prop is TensorProperty.SIZE
+                    and isinstance(source.base, LocalSource)):
+                leading = source.idx < len(SIZE_NAMES)
+                name = SIZE_NAMES[source.idx] if leading else f"{source.base.local_name}_dim{source.idx}"
+                break
+        if self.size_names.setdefault(name, symbol) != symbol:
+            name = f"{name}_{symbol.name}"
+        return sympy.Symbol(name, positive=True, integer=True)
 
     def matching(self, numel: int, candidates: list[sympy.Expr]) -> sympy.Expr:
         """The first candidate that evaluates to ``numel`` here; the bare number if none does."""
@@ -382,8 +405,7 @@ def _held_as(node, aliases, value, sizes: _Sizes, grads, saved) -> tuple[str, sy
     if meta.get("role") == "copy_in" and any(_meta(u).get("role") in ("reduce_scatter", "all_reduce")
                                              for u in _users_through_views(node)):
         return "reduce buffer", _reduce_buffer_expr(node, sizes), _width(value, B_GRAD, sizes.values)
-    elements, dims = _numel_expr(value)
-    sizes.values.update(dims)
+    elements = sizes.numel_of(value)
     item = "activations" if node in saved or node.op == "placeholder" else "temporaries"
     return item, elements, sympy.Integer(value.element_size())
 
@@ -435,8 +457,7 @@ def saved_activations(forward: fx.GraphModule, sizes: _Sizes) -> list[Term]:
         tensor = value.meta.get("val")
         if value.op == "placeholder" or not isinstance(tensor, torch.Tensor):
             continue
-        elements, dims = _numel_expr(tensor)
-        sizes.values.update(dims)
+        elements = sizes.numel_of(tensor)
         terms.append(Term("saved", "activations", elements, sympy.Integer(tensor.element_size()), f"forward: {value.name}"))
     return terms
 

@@ -82,6 +82,28 @@ def test_gpt_stage_3_gathers_what_backward_reads():
         assert sympy.simplify(gathered - B_PARAM * elements / N) == 0, (reshard, gathered)
 
 
+def test_dynamic_shapes_name_the_batch_and_sequence_dimensions():
+    import torch.nn.functional as F
+
+    from fxshard.testing import fake_process_group
+
+    with fake_process_group(2):
+        torch._dynamo.reset()
+        backend = fxshard.backend(stage=3)
+        model = scenarios.Chain()
+        model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
+        run = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+        tokens = torch.randn(3, 10, 7, requires_grad=True)  # (batch, seq, features)
+        F.mse_loss(run(tokens), torch.zeros(3, 10, 5)).backward()
+    ledger = budget.ledger(backend)
+    saved = sympy.Add(*(t.bytes for t in ledger.select("saved")))
+    batch, seq = sympy.symbols("batch seq", positive=True, integer=True)
+    assert saved.free_symbols == {batch, seq}
+    assert sympy.expand(saved / (batch * seq)).is_number  # saved activations grow with batch × seq tokens
+    assert ledger.at(saved, batch=6) == 2 * ledger.at(saved)
+    assert {str(k): v for k, v in ledger.values.items() if k in (batch, seq)} == {"batch": 3, "seq": 10}
+
+
 def test_padding_is_exact_at_the_run_and_gone_in_the_closed_form(ledgers):
     ledger = ledgers[3]  # Chain: 77 + 143 + 65 = 285 elements, padded per parameter to 78 + 144 + 66 at N=2
     assert ledger.at(ledger.communicated("reduce_scatter")) == 4 * (78 + 144 + 66)
