@@ -534,9 +534,11 @@ def step_records(records) -> dict[int, dict]:
     return steps
 
 
-def optimizer_terms(optimizer, params: list[_Param], model_leaves: set[int], sizes: _Sizes) -> tuple[list, list, list]:
-    """The master copy and state the optimizer keeps, the optimizer step's collectives, and the compute copies
-    mixed precision would add where the graph reads the master itself."""
+def optimizer_terms(optimizer, params: list[_Param], model_leaves: set[int], sizes: _Sizes,
+                    published: set[str] = frozenset()) -> tuple[list, list, list]:
+    """The master copy and state the optimizer keeps, the optimizer step's eager collectives (none that a compiled
+    step graph gathers: ``published`` names those parameters), and the compute copies mixed precision would add
+    where the graph reads the master itself."""
     from .prepare import spec_of
 
     by_name = {p.name: p for p in params}
@@ -561,8 +563,9 @@ def optimizer_terms(optimizer, params: list[_Param], model_leaves: set[int], siz
                 read = count if reads == "local" else shard(count)
                 copies.append(Term("memory", "compute copy", read, B_PARAM, f"graph reads {spec.name}"))
             elif is_shard:  # the graph reads a full copy the update must refresh: one all-gather per parameter
-                comm.append(Term("comm", "all_gather", shard(count), _width(tensor, B_PARAM, sizes.values),
-                                 f"optimizer step: {spec.name}", calls=1, unit=spec.name))
+                if spec.name not in published:
+                        comm.append(Term("comm", "all_gather", shard(count), _width(tensor, B_PARAM, sizes.values),
+                                     f"optimizer step: {spec.name}", calls=1, unit=spec.name))
                 if id(tensor) not in model_leaves:  # gradients arrive full on the graph's parameter, not on the shard
                     comm.append(Term("comm", "reduce_scatter", N * shard(count), _width(tensor, B_GRAD, sizes.values),
                                      f"optimizer step: {spec.name}", calls=1, unit=spec.name))
@@ -573,7 +576,8 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
     """The ledger of one training step: every forward/backward pair the backend compiled, plus the optimizer.
 
     Several Dynamo graphs (graph breaks) add their terms; a graph id without a backward (an inference graph)
-    contributes only its collectives to the schedule."""
+    contributes only its collectives to the schedule. A compiled ``optimizer.step`` contributes the collectives of
+    its graph (of the latest compile, where it was recompiled) in place of the eager step's per-parameter gathers."""
     names = _names_from_model(model)
     model_leaves = {id(p) for p in model.parameters()} if model is not None else set()
     terms, schedule, copies = [], [], []
@@ -607,8 +611,19 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
                            "backward) through torch.compile(model, backend=backend) before asking for the ledger")
     for param in all_params.values():
         sizes.values.setdefault(param.count, param.numel)
+    published: set[str] = set()
+    for graph_id, graphs in sorted(step_records(records).items(), reverse=True):
+        if "optimizer" not in graphs or "inference" not in graphs:
+            continue
+        comm, rows = collective_terms(graphs["inference"], f"optimizer step graph {graph_id}", sizes)
+        gathered = {name for row in rows for name in row["params"]}
+        if gathered & published:  # recompiled: the later graph replaced this one
+            continue
+        published |= gathered
+        terms += comm
+        schedule += rows
     if optimizer is not None:
-        memory, comm, copies = optimizer_terms(optimizer, list(all_params.values()), model_leaves, sizes)
+        memory, comm, copies = optimizer_terms(optimizer, list(all_params.values()), model_leaves, sizes, published)
         terms += memory + comm
         schedule += [{"graph": "optimizer step", "position": i, "collective": t.item, "unit": t.unit,
                       "params": [t.unit], "node": "-", "bytes": sizes_at(t.bytes, sizes.values)}

@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import math
 
+import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .errors import FxShardError
@@ -54,6 +55,7 @@ class CollectiveCounter:
         self._profile.__enter__()
         return self
 
+    @torch._dynamo.disable  # a hook inside a compiled optimizer.step: a traced record_function would be dropped
     def mark_step(self) -> None:
         """End a step: the collectives recorded from here on belong to the next one."""
         with record_function(_STEP_MARK):

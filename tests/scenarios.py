@@ -390,9 +390,11 @@ def _measured_peak(model_name: str, run, opt, generator) -> int:
     return peak
 
 
-def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool = False) -> dict:
-    """For each stage: train two AdamW steps; of the second, the ledger at this world size beside what was measured
-    (collective bytes and calls by kind, bytes of each kind of state), optionally the step's peak."""
+def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool = False,
+                               compile_step: bool = False) -> dict:
+    """For each stage: train three AdamW steps (``opt.step`` compiled too, with ``compile_step``); of the last, the
+    ledger at this world size beside what was measured (collective bytes and calls by kind, bytes of each kind of
+    state), optionally the step's peak."""
     from fxshard import budget
     from fxshard.measure import CollectiveCounter
     from fxshard.passes.fx_utils import COLLECTIVE_ROLES
@@ -405,13 +407,14 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
         backend = fxshard.backend(stage=stage)
         model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
         run = _ledger_step(model_name, model, backend)
+        step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
         generator = torch.Generator().manual_seed(rank)
-        for _ in range(2):
+        for _ in range(3):  # the last step runs what the first two compiled (AdamW recompiles its step once)
             opt.zero_grad()
             with CollectiveCounter() as counter:
                 _ledger_loss(model_name, run, generator).backward()
                 grads = _storage_bytes(p.grad for p in model.parameters())
-                opt.step()
+                step()
         leaves = {id(p) for p in model.parameters()}
         masters = [p for g in opt.param_groups for p in g["params"] if id(p) not in leaves]
         measured = {

@@ -134,6 +134,14 @@ def test_ledger_equals_measured_bytes_at_world_3(measured_world3):
     _assert_exact(measured_world3)
 
 
+def test_ledger_counts_a_compiled_optimizer_steps_gathers_per_unit(pools):
+    # the MLP's units hold a weight and a bias: the compiled step gathers each unit once, the eager step each
+    # parameter; the ledger must read the step's graph, not assume the eager path
+    results = pools(2).run(scenarios.ledger_against_measurement, "mlp", stages=(1, 2), compile_step=True)
+    _assert_exact(results)
+    assert all(r[stage]["ledger"]["collectives"]["all_gather"][1] == 2 for r in results for stage in (1, 2))
+
+
 PEAK_TOLERANCE = 0.4  # measured on this Chain at world 2: within -3% (stage 0) .. +34% (stage 3)
 
 
