@@ -138,6 +138,24 @@ def _load_state_dict_shard(module, state_dict, prefix, *args):
             state_dict[key] = shard_of(value, spec)
 
 
+def _refuse_conversion(module: nn.Module, apply, fn, recurse: bool = True):
+    """``module._apply`` (what ``.to()``, ``.double()``, ``.cuda()`` run) of a stage-1 or stage-2 module: the
+    optimizer writes each update into a second copy of the parameter that prepare registered (stage 1: the full
+    parameter, stage 2: the resident buffer); a conversion makes new tensors the model reads while the step keeps
+    writing into the old ones, so it is refused before any tensor changes. A conversion that changes nothing
+    (``.to()`` the dtype and device it already has) goes through."""
+    prepared = [(m, name) for m in module.modules() for name in getattr(m, _SPECS, {})]
+    first = next((m._parameters[name] for m, name in prepared if m._parameters[name] is not None), None)
+    if first is not None and fn(first) is not first:
+        spec = getattr(prepared[0][0], _SPECS)[prepared[0][1]]
+        raise FxShardError(
+            f"converting a prepared stage-{spec.stage} model ({spec.name} and the rest: .to(), .double(), .cuda() "
+            "...) would leave the copies the optimizer writes into behind, and training would silently stop "
+            "updating what forward reads; convert the model before backend.prepare(model, optimizer)"
+        )
+    return apply(fn, recurse)
+
+
 def _cast_floating_inputs(dtype: torch.dtype, module, args, kwargs):
     """Mixed precision: floating-point inputs of the model enter in the compute dtype (FSDP2's
     ``cast_forward_inputs``), so a float input meets weights of its own dtype."""
@@ -221,6 +239,8 @@ def shard_parameters(
                 leaves[id(param)] = _lay_out(param, spec, grad_sync)
         setattr(module, _SPECS, {name: SPEC_OF[leaves[id(param)]] for name, param in owned.items()})
         setattr(module, _PATH, path)
+        if stage in (1, 2):
+            module.__dict__["_apply"] = functools.partial(_refuse_conversion, module, module._apply)
         module.register_state_dict_post_hook(_state_dict_full)
         module.register_load_state_dict_pre_hook(_load_state_dict_shard)
         if stage == 1:  # no marker: the parameters stay the leaves, read directly

@@ -104,3 +104,14 @@ def test_optimizer_over_other_tensors(fake_world):
     stray = nn.Parameter(torch.zeros(3))
     with pytest.raises(fxshard.FxShardError, match="not parameters of the prepared model"):
         fxshard.backend(stage=3).prepare(model, torch.optim.SGD([*model.parameters(), stray], lr=0.1))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_converting_a_model_after_prepare(fake_world, stage):
+    model, opt = fxshard.backend(stage=stage).prepare(MLP(), None)
+    with pytest.raises(fxshard.FxShardError, match="convert the model before backend.prepare"):
+        model.double()
+    with pytest.raises(fxshard.FxShardError, match="convert the model before backend.prepare"):
+        model.fc1.to(torch.float16)  # a submodule too
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before anything changed
+    assert model.to(torch.float32) is model  # a conversion that changes nothing goes through
