@@ -280,25 +280,29 @@ def _cast_floats(batch, dtype):
 
 
 def train_mixed_precision_against_reference(
-    model_name: str, stage: int, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, steps: int = 3
+    model_name: str, stage: int, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, steps: int = 3,
+    mode: str = "compiled",
 ) -> dict:
     """Train with ``param_dtype``/``reduce_dtype`` beside a single process that applies the same casts without
     autocast: an fp32 master; per rank's slice, a ``param_dtype`` copy of it computes the gradient, which is cast
-    to ``reduce_dtype``, averaged over the ranks' slices, and cast to fp32 for the master's SGD step."""
+    to ``reduce_dtype``, averaged over the ranks' slices, and cast to fp32 for the master's SGD step. ``mode``:
+    ``"compiled"`` (the model), ``"compiled step"`` (the model and ``opt.step``) or ``"eager"`` (neither)."""
     rank, world = rank_and_world()
     model = build_model(model_name)
     master = copy.deepcopy(model)
     master_opt = make_optimizer("sgd", master.parameters())
+    torch._dynamo.reset()
     backend = fxshard.backend(stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     model, opt = backend.prepare(model, make_optimizer("sgd", model.parameters()))
-    run = torch.compile(model, backend=backend, fullgraph=True)
+    run = model if mode == "eager" else torch.compile(model, backend=backend, fullgraph=True)
+    step = torch.compile(opt.step, backend=backend) if mode == "compiled step" else opt.step
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         batch = global_batch(model_name, world * PER_RANK_BATCH, generator)
         slices = [tuple(t[r * PER_RANK_BATCH : (r + 1) * PER_RANK_BATCH] for t in batch) for r in range(world)]
         loss = loss_of(model_name, run, slices[rank])
         loss.backward()
-        opt.step()
+        step()
         opt.zero_grad()
         per_rank_grads = []
         for local in slices:
