@@ -20,7 +20,10 @@ from fxshard.passes.context import KNOBS
 from .budget import optimizer_bytes
 from .errors import FxShardError
 from .pipeline import GraphRecord, Pass, run_passes
-from .optim import annotate_optimizer_graph, clip_grad_norm_, mark_published, shard_optimizer_over
+from .optim import (
+    annotate_optimizer_graph, clip_grad_norm_, full_state_dict, load_full_state_dict, mark_published,
+    shard_optimizer_over,
+)
 from .prepare import grad_sync_of, shard_parameters, spec_of
 
 STAGES = (0, 1, 2, 3)
@@ -123,9 +126,21 @@ class Backend:
         ``torch.nn.utils.clip_grad_norm_`` does on one process; returns that norm. Every rank must call it, between
         backward and ``optimizer.step()``. (torch's own function would see only this rank's shards in stages 1-3,
         or gradients not yet averaged in stage 1 and under ``no_sync``.)"""
+        return clip_grad_norm_(self._prepared_optimizer("clip_grad_norm_"), max_norm, norm_type)
+
+    def full_optimizer_state_dict(self) -> dict:
+        """The prepared optimizer's state in full shapes, keyed by parameter name, as one process would hold it
+        (a collective: every rank must call it). Save it to resume at another world size or stage."""
+        return full_state_dict(self._prepared_optimizer("full_optimizer_state_dict"))
+
+    def load_full_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Load a ``full_optimizer_state_dict()`` saved at any world size and stage into the prepared optimizer."""
+        load_full_state_dict(self._prepared_optimizer("load_full_optimizer_state_dict"), state_dict)
+
+    def _prepared_optimizer(self, purpose: str) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            raise FxShardError("clip_grad_norm_ needs the optimizer: call backend.prepare(model, optimizer) first")
-        return clip_grad_norm_(self.optimizer, max_norm, norm_type)
+            raise FxShardError(f"{purpose} needs the optimizer: call backend.prepare(model, optimizer) first")
+        return self.optimizer
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):

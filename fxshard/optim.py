@@ -190,6 +190,80 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     return total
 
 
+# -- a full optimizer state dict: the same at any world size and stage -------------------------------------------
+def _updated_with_specs(optimizer: torch.optim.Optimizer) -> list[list[tuple[torch.Tensor, ShardSpec]]]:
+    step = getattr(optimizer, _SHARDED_STEP, None)
+    if step is None:
+        raise FxShardError("full optimizer state dicts are for the optimizer backend.prepare returned; prepare the "
+                           "model with its optimizer first")
+    return [[(p, spec_of(p)) for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _is_per_element(value, updated: torch.Tensor) -> bool:
+    """Optimizer state laid out like the tensor it belongs to (``exp_avg``), not a scalar (``step``)."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == updated.shape
+
+
+@torch.no_grad()
+def full_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """The prepared optimizer's state as if it ran on one process over the full parameters (a collective: every
+    rank must call it): ``{"state": {parameter name: {kind: full-shape tensor or scalar}}, "param_groups": [{
+    hyperparameters..., "params": [parameter names]}]}``. Loadable at any world size and stage with
+    :func:`load_full_state_dict`."""
+    state, groups = {}, []
+    for group, pairs in zip(optimizer.param_groups, _updated_with_specs(optimizer)):
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [s.name for _, s in pairs]})
+        for updated, spec in pairs:
+            if updated not in optimizer.state:
+                continue
+            state[spec.name] = {  # stages 1-3 update flat shards, stage 0 full parameters
+                kind: (gather_full(value, spec) if spec.stage >= 1 else value.clone())
+                if _is_per_element(value, updated)
+                else (value.clone() if torch.is_tensor(value) else value)
+                for kind, value in optimizer.state[updated].items()
+            }
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def load_full_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Lay a :func:`full_state_dict` (saved at any world size and stage) out over this prepared optimizer: each
+    per-element state becomes this rank's flat shard of it (stages 1-3) or stays full (stage 0), in the updated
+    tensor's dtype; the groups' hyperparameters are restored. Raises FxShardError, before changing anything, when
+    the state dict names other parameters or shapes."""
+    groups = _updated_with_specs(optimizer)
+    saved_groups = state_dict.get("param_groups", [])
+    names = [[spec.name for _, spec in pairs] for pairs in groups]
+    if [g.get("params") for g in saved_groups] != names:
+        raise FxShardError(
+            f"the state dict's param groups name {[g.get('params') for g in saved_groups]}, this optimizer's "
+            f"{names}; load a full optimizer state dict saved from the same model, with its parameters grouped "
+            "alike"
+        )
+    laid_out = {}
+    for pairs in groups:
+        for updated, spec in pairs:
+            saved = state_dict["state"].get(spec.name)
+            if saved is None:
+                continue
+            kinds = {}
+            for kind, value in saved.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    if tuple(value.shape) != spec.full_shape:
+                        raise FxShardError(f"{spec.name}: {kind} has shape {list(value.shape)}, the parameter "
+                                           f"{list(spec.full_shape)}; load a full optimizer state dict (from "
+                                           "backend.full_optimizer_state_dict()) of the same model")
+                    value = value.to(updated.dtype)
+                    kinds[kind] = shard_of(value, spec) if updated.shape != value.shape else value.clone()
+                else:
+                    kinds[kind] = value.clone() if torch.is_tensor(value) else value
+            laid_out[updated] = kinds
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    optimizer.state.clear()
+    optimizer.state.update(laid_out)
+
+
 # -- a compiled optimizer.step -------------------------------------------------------------------------------------
 _PUBLISHED_AT_VERSION: WeakIdKeyDictionary = WeakIdKeyDictionary()  # shard -> its version when a graph published it
 

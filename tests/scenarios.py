@@ -489,6 +489,44 @@ def resume_from_checkpoint(stage: int, steps_before: int = 2, steps_after: int =
             "shard_elements": sum(spec_of(p).chunk for p in model.parameters())}
 
 
+def _trained_gpt(stage: int, steps: int):
+    """A GPT prepared for ``stage`` on this world, after ``steps`` AdamW steps on the ranks' slices of one global
+    batch stream (the same stream at any world size, as long as it divides the global batch)."""
+    rank, world = rank_and_world()
+    backend = fxshard.backend(stage=stage)
+    model = build_model("gpt")
+    model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    generator = torch.Generator().manual_seed(1)
+    per_rank = 12 // world
+    for _ in range(steps):
+        batch = global_batch("gpt", 12, generator)
+        loss_of("gpt", run, tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in batch)).backward()
+        opt.step()
+        opt.zero_grad()
+    return backend
+
+
+def save_full_optimizer_state(stage: int, path: str, steps: int = 2) -> dict:
+    """Train, then write the full optimizer state dict to ``path`` (from rank 0) and return it from every rank."""
+    torch._dynamo.reset()
+    state = _trained_gpt(stage, steps).full_optimizer_state_dict()
+    if rank_and_world()[0] == 0:
+        torch.save(state, path)
+    torch.distributed.barrier()
+    return state
+
+
+def reload_full_optimizer_state(stage: int, path: str) -> dict:
+    """Prepare a fresh GPT for ``stage`` on this world, load the full optimizer state dict at ``path`` into it, and
+    return it gathered again, with the number of elements of one state kind this rank holds."""
+    torch._dynamo.reset()
+    backend = _trained_gpt(stage, steps=0)
+    backend.load_full_optimizer_state_dict(torch.load(path))
+    held = sum(s["exp_avg"].numel() for s in backend.optimizer.state.values())
+    return {"regathered": backend.full_optimizer_state_dict(), "exp_avg_elements_held": held}
+
+
 def die_once(marker: str) -> int:
     """Rank 1 kills its own process with SIGABRT the first time (``marker`` does not exist yet), as a process
     dying under Python would; every rank returns its rank otherwise."""

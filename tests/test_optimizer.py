@@ -31,6 +31,42 @@ def test_sharded_optimizer_state_dict_resumes_training_exactly(pools, stage):
         assert result["saved_exp_avg_elements"] == result["shard_elements"]  # this rank's shards, not full tensors
 
 
+def test_full_optimizer_state_dict_moves_across_world_sizes_and_stages(pools, tmp_path):
+    # saved at world 2 from stage 3, laid out again at world 3 for stages 0, 1 and 3 (padding differs: the GPT's
+    # sizes are not all divisible by 2 or 3); gathered back, every tensor must be the one saved, bit for bit
+    path = str(tmp_path / "optimizer.pt")
+    saved = pools(2).run(scenarios.save_full_optimizer_state, 3, path)[0]
+    adam_kinds = {"step", "exp_avg", "exp_avg_sq"}
+    full_elements = sum(s["exp_avg"].numel() for s in saved["state"].values())
+    assert all(set(kinds) == adam_kinds for kinds in saved["state"].values()) and saved["state"]
+    for stage in (0, 1, 3):
+        for result in pools(3).run(scenarios.reload_full_optimizer_state, stage, path):
+            again = result["regathered"]
+            assert again["param_groups"] == saved["param_groups"], stage
+            assert again["state"].keys() == saved["state"].keys(), stage
+            for name, kinds in saved["state"].items():
+                for kind, value in kinds.items():
+                    assert torch.equal(again["state"][name][kind], value), (stage, name, kind)
+            held = result["exp_avg_elements_held"]
+            assert held == full_elements if stage == 0 else held < full_elements / 2, stage  # a third, padded
+
+
+def test_full_optimizer_state_dict_of_another_model_is_refused():
+    with fake_process_group(2):
+        backend = fxshard.backend(stage=3)
+        model = MLP()
+        _, opt = backend.prepare(model, torch.optim.AdamW(model.parameters()))
+        names = [spec_of(p).name for p in opt.param_groups[0]["params"]]
+        with pytest.raises(fxshard.FxShardError, match="saved from the same model"):
+            backend.load_full_optimizer_state_dict({"state": {}, "param_groups": [{"lr": 1.0, "params": ["w"]}]})
+        wrong_shape = {names[0]: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3)}}
+        with pytest.raises(fxshard.FxShardError, match=f"{names[0]}: exp_avg has shape \\[3\\]"):
+            backend.load_full_optimizer_state_dict({"state": wrong_shape, "param_groups": [{"params": names}]})
+        assert opt.param_groups[0]["lr"] != 1.0 and not opt.state  # refused before anything changed
+    with pytest.raises(fxshard.FxShardError, match="full_optimizer_state_dict needs the optimizer"):
+        fxshard.backend(stage=3).full_optimizer_state_dict()
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stepping_another_optimizer_over_a_prepared_model_is_refused(stage):
     with fake_process_group(2):
