@@ -156,9 +156,11 @@ def _refuse_conversion(module: nn.Module, apply, fn, recurse: bool = True):
     return apply(fn, recurse)
 
 
+@torch._dynamo.disable  # compiled, the hook's frame would become a graph of its own beside the model's
 def _cast_floating_inputs(dtype: torch.dtype, module, args, kwargs):
     """Mixed precision: floating-point inputs of the model enter in the compute dtype (FSDP2's
-    ``cast_forward_inputs``), so a float input meets weights of its own dtype."""
+    ``cast_forward_inputs``), so a float input meets weights of its own dtype. A compiled module runs its hooks
+    outside the graph and Dynamo would compile this frame on its own, so it runs eagerly: one cast per input."""
     def cast(value):
         return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
 

@@ -58,6 +58,7 @@ def test_shards_are_cast_before_they_travel_and_gradients_reduced_in_reduce_dtyp
         out = torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))
         out.sum().backward()
     assert out.dtype == torch.bfloat16
+    assert [r.kind for r in backend.graphs] == ["joint", "forward", "backward"]  # the input cast is no graph
     graphs = {r.kind: r.final for r in backend.graphs if r.kind != "joint"}
     forward_gathers = [r for r in collectives(graphs["forward"]) if r["kind"] == "all_gather"]
     assert [r["input_bytes"] for r in forward_gathers] == [2 * 72, 2 * 43]  # bf16 shards: 2 bytes per element
