@@ -1,10 +1,17 @@
 """fxshard.simulate: the alpha-beta timeline of the scheduled graphs (graph-only, fake process group)."""
 
+import dataclasses
+
 import pytest
+import torch
 
 import fxshard
 import scenarios
-from fxshard.simulate import Machine, collective_seconds, simulate
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES
+from fxshard.simulate import (
+    Machine, _without_collectives, _zeros_for_placeholders, calibrate, collective_seconds, compute_nodes,
+    compute_seconds, fit_collective_overhead, fit_op_overhead, fit_ring, fit_step, fit_step_overhead, simulate,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +62,105 @@ def test_bad_input_says_what_to_do():
         simulate(object(), 0)
     with pytest.raises(fxshard.FxShardError, match="takes a backend that ran a step"):
         simulate(object(), 2)
+
+
+# -- calibration: the fits recover known constants from timings the model itself produced ------------------------
+
+def test_step_overhead_enters_the_step_once_as_compute(stage3):
+    base = simulate(stage3[1], 2, machine=SLOW_NET)
+    timeline = simulate(stage3[1], 2, machine=dataclasses.replace(SLOW_NET, step_overhead=0.5))
+    assert timeline.step_time == pytest.approx(base.step_time + 0.5)
+    assert timeline.compute_time == pytest.approx(base.compute_time + 0.5)
+    assert timeline.exposed_comm == pytest.approx(base.exposed_comm)
+    assert timeline.overhead_time == 0.5
+    assert (timeline.events[-1].graph, timeline.events[-1].end) == ("step", pytest.approx(timeline.step_time))
+
+
+def test_collective_overhead_is_paid_once_per_collective_at_any_world():
+    machine = Machine(bandwidth=1e9, latency=1e-5, collective_overhead=1e-3)
+    assert collective_seconds("all_gather", 1e9, 4, machine) == pytest.approx(1e-3 + 3e-5 + 0.75)
+    assert collective_seconds("all_reduce", 1e9, 4, machine) == pytest.approx(1e-3 + 2 * (3e-5 + 0.75))
+    assert collective_seconds("all_gather", 0, 1024, machine) == pytest.approx(1e-3 + 1023e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fit_ring_recovers_overhead_latency_and_bandwidth(world):
+    truth = Machine(bandwidth=5e8, latency=2e-5, collective_overhead=3e-4)
+    sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 22]
+    gathers = [collective_seconds("all_gather", b, world, truth) for b in sizes]
+    all_reduces = [collective_seconds("all_reduce", b, world, truth) for b in sizes]
+    assert fit_ring(sizes, gathers, all_reduces, world) == pytest.approx((3e-4, 2e-5, 5e8), rel=1e-6)
+
+
+def test_fit_ring_holds_a_latency_the_noise_makes_negative_at_zero():
+    sizes = [1 << 12, 1 << 20]
+    truth = Machine(bandwidth=5e8, latency=0.0, collective_overhead=3e-4)
+    gathers = [collective_seconds("all_gather", b, 2, truth) for b in sizes]
+    all_reduces = [collective_seconds("all_reduce", b, 2, truth) - 1e-5 for b in sizes]  # faster than a gather + hop
+    overhead, latency, bandwidth = fit_ring(sizes, gathers, all_reduces, 2)
+    assert latency == 0.0
+    assert overhead == pytest.approx(3e-4, rel=0.05) and bandwidth == pytest.approx(5e8, rel=0.05)
+
+
+def test_fit_ring_refuses_what_it_cannot_fit():
+    with pytest.raises(fxshard.FxShardError, match="two or more distinct sizes.*sizes=\\(small"):
+        fit_ring([4096, 4096], [1e-4, 1e-4], [2e-4, 2e-4], 2)
+    with pytest.raises(fxshard.FxShardError, match="does not grow with size.*more repeats"):
+        fit_ring([4096, 1 << 20], [5e-4, 1e-4], [5e-4, 1e-4], 2)
+    with pytest.raises(fxshard.FxShardError, match="world of 2 or more"):
+        fit_ring([4096, 1 << 20], [1e-4, 2e-4], [1e-4, 2e-4], 1)
+    with pytest.raises(fxshard.FxShardError, match="positive seconds"):
+        fit_ring([4096, 1 << 20], [0.0, 2e-4], [1e-4, 2e-4], 2)
+
+
+def _graphs(backend):
+    return [record.final for record in backend.graphs if record.kind in ("forward", "backward")]
+
+
+def test_fit_step_recovers_the_overheads_and_predicts_another_configuration(stage3):
+    """Timings made by a known machine at stage 3 with prefetch: the fits recover its overheads, and the fitted
+    machine predicts stage 3 without prefetch and stage 0 as the known one does."""
+    truth = dataclasses.replace(SLOW_NET, op_overhead=2e-5, collective_overhead=7e-4, step_overhead=3e-3)
+    graphs = _graphs(stage3[1])
+    compute_only = sum(compute_seconds(node, truth) for gm in graphs for node in compute_nodes(gm))
+    with_collectives = simulate(graphs, 2, machine=dataclasses.replace(truth, step_overhead=0.0)).step_time
+    step = simulate(stage3[1], 2, machine=truth).step_time
+    fitted = fit_step(SLOW_NET, stage3[1], 2, compute_only, with_collectives, step)
+    assert fitted.op_overhead == pytest.approx(2e-5, rel=1e-6)
+    assert fitted.collective_overhead == pytest.approx(7e-4, rel=1e-6)
+    assert fitted.step_overhead == pytest.approx(3e-3, rel=1e-6)
+    for other in (stage3[0], scenarios.compiled_chain(0)):
+        assert simulate(other, 2, machine=fitted).step_time == pytest.approx(
+            simulate(other, 2, machine=truth).step_time, rel=1e-6)
+
+
+def test_fits_clip_at_zero_when_the_model_already_explains_the_time(stage3):
+    graphs = _graphs(stage3[1])
+    assert fit_op_overhead(graphs, 0.0, SLOW_NET) == 0.0
+    assert fit_collective_overhead(graphs, 2, 1e-9, SLOW_NET) == 0.0
+    assert fit_step_overhead(stage3[1], 2, 1e-9, SLOW_NET) == 0.0
+
+
+def test_fits_refuse_what_they_cannot_fit(stage3):
+    stage1_graphs = _graphs(scenarios.compiled_chain(1))  # stage 1's graphs do not communicate
+    with pytest.raises(fxshard.FxShardError, match="needs graphs with collectives.*stage"):
+        fit_collective_overhead(stage1_graphs, 2, 1.0, SLOW_NET)
+    with pytest.raises(fxshard.FxShardError, match="positive seconds"):
+        fit_step_overhead(stage3[1], 2, 0.0, SLOW_NET)
+    with pytest.raises(fxshard.FxShardError, match="both backend=.*and step="):
+        calibrate(backend=stage3[1])
+    with pytest.raises(fxshard.FxShardError, match="repeats and steps must be >= 1"):
+        calibrate(repeats=0)
+
+
+def test_graphs_without_collectives_run_on_one_process(stage3):
+    """What calibrate replays to time compute alone: no collective or wait left, and it runs on zeros without a
+    process group."""
+    for gm in _graphs(stage3[1]):
+        compute_only = _without_collectives(gm)
+        targets = [node.target for node in compute_only.graph.nodes if node.op == "call_function"]
+        assert not [t for t in targets if "_c10d_functional" in str(t)]
+        assert len(compute_nodes(compute_only)) == len(compute_nodes(gm)) + sum(
+            1 for node in gm.graph.nodes if node.meta.get("fxshard", {}).get("role") in COLLECTIVE_ROLES)
+        with torch.no_grad():
+            compute_only(*_zeros_for_placeholders(gm))
