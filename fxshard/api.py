@@ -27,6 +27,7 @@ from .optim import (
 from .prepare import grad_sync_of, shard_parameters, spec_of
 
 STAGES = (0, 1, 2, 3)
+STEP_BUCKET_BYTES = next(f.default for f in dataclasses.fields(PassContext) if f.name == "step_bucket_bytes")
 COMPILERS = ("eager", "inductor")
 
 
@@ -65,6 +66,9 @@ def checked_knobs(knobs: dict) -> dict:
     schedule = knobs.get("schedule")
     if schedule is not None and not callable(schedule):
         raise FxShardError(f"schedule must be a function schedule(gm, ctx) -> gm, got {schedule!r}")
+    step_bucket = knobs.get("step_bucket_bytes", 1)
+    if isinstance(step_bucket, bool) or not isinstance(step_bucket, int) or step_bucket <= 0:
+        raise FxShardError(f"step_bucket_bytes must be a positive int (bytes), got {step_bucket!r}")
     budget = knobs.get("memory_budget")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
         raise FxShardError(f"memory_budget must be a positive number of bytes per rank, got {budget!r}")
@@ -83,7 +87,8 @@ class Backend:
     Options: ``group`` (default: the world group), ``passes`` (default: ``default_passes()``), ``compiler``
     (``"eager"`` runs the rewritten graphs as they are, ``"inductor"`` compiles them), and the knobs every pass
     reads, documented on ``fxshard.passes.PassContext``: ``reshard_after_forward``, ``bucket``, ``blocks``,
-    ``prefetch``, ``max_inflight_gathers``, ``schedule``, ``memory_budget``, ``param_dtype``, ``reduce_dtype``. An
+    ``prefetch``, ``max_inflight_gathers``, ``schedule``, ``memory_budget``, ``param_dtype``, ``reduce_dtype``,
+    ``step_bucket_bytes``. An
     unknown option or a value of the wrong kind raises FxShardError.
     """
 
@@ -118,7 +123,9 @@ class Backend:
         leaves, grad_sync = shard_parameters(model, self.stage, self.group, self.knobs.get("param_dtype"),
                                              self.knobs.get("reduce_dtype"))
         self.model = model
-        self.optimizer = None if optimizer is None else shard_optimizer_over(optimizer, leaves, grad_sync)
+        step_bucket_bytes = self.knobs.get("step_bucket_bytes", STEP_BUCKET_BYTES)
+        self.optimizer = (None if optimizer is None
+                          else shard_optimizer_over(optimizer, leaves, grad_sync, step_bucket_bytes))
         return model, self.optimizer
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

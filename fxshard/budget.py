@@ -534,42 +534,69 @@ def step_records(records) -> dict[int, dict]:
     return steps
 
 
-def optimizer_terms(optimizer, params: list[_Param], model_leaves: set[int], sizes: _Sizes,
-                    published: set[str] = frozenset()) -> tuple[list, list, list]:
-    """The master copy and state the optimizer keeps, the optimizer step's eager collectives (none that a compiled
-    step graph gathers: ``published`` names those parameters), and the compute copies mixed precision would add
-    where the graph reads the master itself."""
+def optimizer_terms(optimizer, params: list[_Param], sizes: _Sizes,
+                    published: set[str] = frozenset()) -> tuple[list, list, list, list]:
+    """The master copy and state the optimizer keeps, the optimizer step's eager collectives (one per bucket of
+    its ``ShardedStep``; none for what a compiled step graph gathers: ``published`` names those parameters), the
+    compute copies mixed precision would add where the graph reads the master itself, and the step's schedule
+    rows."""
+    from .optim import sharded_step_of
     from .prepare import spec_of
 
     by_name = {p.name: p for p in params}
-    memory, comm, copies = [], [], []
+
+    def count_of(spec) -> sympy.Symbol:
+        param = by_name.get(spec.name)
+        count = psi(spec.name) if param is None else param.count
+        sizes.values.setdefault(count, spec.numel)
+        return count
+
+    memory, copies = [], []
     for group in optimizer.param_groups:
         kinds = optimizer_state_kinds(type(optimizer).__name__, group)
         for tensor in group["params"]:
             spec = spec_of(tensor)
             if spec is None or not tensor.requires_grad:
                 continue
-            param = by_name.get(spec.name)
-            count = psi(spec.name) if param is None else param.count
-            sizes.values.setdefault(count, spec.numel)
-            is_shard = tensor.numel() == spec.chunk and spec.chunk != spec.numel
-            elements = shard(count) if is_shard else count
+            count = count_of(spec)
+            elements = shard(count) if tensor.numel() == spec.chunk and spec.chunk != spec.numel else count
             source = f"optimizer: {spec.name}"
             memory.append(Term("memory", "master", elements, _width(tensor, B_MASTER, sizes.values), source))
             for kind in kinds:
                 memory.append(Term("memory", kind, elements, _width(tensor, B_STATE, sizes.values), source))
-            reads = param.reads if param is not None else "local"
+            reads = by_name[spec.name].reads if spec.name in by_name else "local"
             if reads in ("local", "gathered"):  # the graph reads the master: mixed precision adds a compute copy
                 read = count if reads == "local" else shard(count)
                 copies.append(Term("memory", "compute copy", read, B_PARAM, f"graph reads {spec.name}"))
-            elif is_shard:  # the graph reads a full copy the update must refresh: one all-gather per parameter
-                if spec.name not in published:
-                        comm.append(Term("comm", "all_gather", shard(count), _width(tensor, B_PARAM, sizes.values),
-                                     f"optimizer step: {spec.name}", calls=1, unit=spec.name))
-                if id(tensor) not in model_leaves:  # gradients arrive full on the graph's parameter, not on the shard
-                    comm.append(Term("comm", "reduce_scatter", N * shard(count), _width(tensor, B_GRAD, sizes.values),
-                                     f"optimizer step: {spec.name}", calls=1, unit=spec.name))
-    return memory, comm, copies
+    comm, rows = [], []
+    step = sharded_step_of(optimizer)
+    shards = step.shards()
+    to_publish = [s for s in shards if spec_of(s).name not in published]
+    for kind, role, taken in (("all_gather", B_PARAM, to_publish),
+                              ("reduce_scatter", B_GRAD, shards if step.stage == 1 else [])):
+        for index, bucket in enumerate(step.buckets(kind, taken)):
+            elements = sympy.Add(*(shard(count_of(spec_of(s))) for s in bucket)) * (1 if kind == "all_gather" else N)
+            dtype_of = torch.empty(0, dtype=step.collective_dtype(kind, bucket[0]))
+            comm.append(Term("comm", kind, elements, _width(dtype_of, role, sizes.values),
+                             f"optimizer step: {kind} bucket {index}", calls=1, unit=f"step bucket {index}"))
+            rows.append({"graph": "optimizer step", "position": index, "collective": kind,
+                         "unit": f"step bucket {index}", "params": [spec_of(s).name for s in bucket], "node": "-"})
+    return memory, comm, copies, rows
+
+
+def step_peaks(step_collectives: list[Term], gradients: list[Term]) -> list[list[Term]]:
+    """The eager optimizer step's worst points, one per bucket collective: the gradients backward left (held until
+    the step), the bucket's input buffer (the shards or padded gradients, concatenated) and its output (the whole
+    all-gather, or one rank's share of a reduce-scatter)."""
+    peaks = []
+    for term in step_collectives:
+        output = term.elements / N if term.item == "reduce_scatter" else term.elements * N
+        peaks.append([dataclasses.replace(g, section="peak") for g in gradients] + [
+            Term("peak", "step bucket", term.elements, term.width, f"{term.source} input"),
+            Term("peak", "step bucket", output, term.width, f"{term.source} output"),
+            Term("peak", "peak point", sympy.Integer(0), sympy.Integer(0), term.source),
+        ])
+    return peaks
 
 
 def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) -> Ledger:
@@ -604,8 +631,6 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
             terms += comm
             schedule += rows
             peaks.append(live_peak(graphs[kind], f"graph {graph_id} {kind}", sizes, produced))
-    if peaks:  # graphs run one after the other: the step's worst point is the worst of theirs
-        terms += max(peaks, key=lambda p: sum(sizes_at(t.bytes, sizes.values) for t in p))
     if sizes is None:
         raise FxShardError("no forward/backward graph was compiled yet: run one training step (forward and "
                            "backward) through torch.compile(model, backend=backend) before asking for the ledger")
@@ -623,11 +648,12 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
         terms += comm
         schedule += rows
     if optimizer is not None:
-        memory, comm, copies = optimizer_terms(optimizer, list(all_params.values()), model_leaves, sizes, published)
+        memory, comm, copies, rows = optimizer_terms(optimizer, list(all_params.values()), sizes, published)
         terms += memory + comm
-        schedule += [{"graph": "optimizer step", "position": i, "collective": t.item, "unit": t.unit,
-                      "params": [t.unit], "node": "-", "bytes": sizes_at(t.bytes, sizes.values)}
-                     for i, t in enumerate(comm)]
+        peaks += step_peaks(comm, [t for t in terms if t.section == "memory" and t.item == "gradients"])
+        schedule += [{**row, "bytes": sizes_at(t.bytes, sizes.values)} for row, t in zip(rows, comm)]
+    # graphs and the step's buckets run one after the other: the step's worst point is the worst of theirs
+    terms += max(peaks, key=lambda p: sum(sizes_at(t.bytes, sizes.values) for t in p))
     for width in WIDTHS:
         sizes.values.setdefault(width, 4)
     params_by_name = {p.name: p.count for p in all_params.values()}

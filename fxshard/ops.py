@@ -31,13 +31,15 @@ _c10d = torch.ops._c10d_functional
 GRAD_REDUCTIONS = ("reduce_scatter", "all_reduce", "none")
 
 
-def _flat_padded(full: torch.Tensor, world_size: int) -> torch.Tensor:
+def flat_padded(full: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``full`` flattened and zero-padded to a multiple of ``world_size``: the layout a reduce-scatter splits."""
     flat = full.reshape(-1)
     padding = -flat.numel() % world_size
     return torch.nn.functional.pad(flat, (0, padding)) if padding else flat.contiguous()
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def cast_to(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` in ``dtype``; itself when ``dtype`` is None or already its dtype."""
     return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
@@ -55,10 +57,10 @@ def unshard(
 ) -> torch.Tensor:
     """The parameter in its full shape: the resident copy, the full ``local`` itself, or the gathered shards."""
     if resident is not None:
-        return _cast(resident, compute_dtype).clone()
+        return cast_to(resident, compute_dtype).clone()
     if grad_reduction != "reduce_scatter":
-        return _cast(local, compute_dtype).clone()
-    shard = _cast(local, compute_dtype).contiguous()
+        return cast_to(local, compute_dtype).clone()
+    shard = cast_to(local, compute_dtype).contiguous()
     gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world_size, group_name))
     return gathered[: math.prod(full_shape)].view(full_shape).clone()
 
@@ -79,15 +81,15 @@ def reduce_grad(
     grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Average a full-shape gradient over the ranks: this rank's flat shard of it, or all of it (or keep it local)."""
-    grad = _cast(full_grad, reduce_dtype)
+    grad = cast_to(full_grad, reduce_dtype)
     if grad_reduction == "none":
         reduced = grad.contiguous().clone()
     elif grad_reduction == "all_reduce":
         reduced = _c10d.wait_tensor(_c10d.all_reduce(grad.contiguous(), "avg", group_name))
     else:
-        flat = _flat_padded(grad, world_size)
+        flat = flat_padded(grad, world_size)
         reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "avg", world_size, group_name))
-    return _cast(reduced, grad_dtype)
+    return cast_to(reduced, grad_dtype)
 
 
 @reduce_grad.register_fake

@@ -23,12 +23,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import FxShardError
-from .ops import reduce_grad
+from .ops import cast_to, flat_padded, reduce_grad
 from .passes.fx_utils import unit_of
 from .prepare import (
     FULL_COPY_OF, GRAD_SYNC_OF, MASTER_OF, REPLACED_BY_SHARD, SPEC_OF, GradSync, gather_full, spec_of,
 )
-from .sharding import ShardSpec, shard_of
+from .sharding import ShardSpec, pack_greedily, shard_of, unpad
 
 _SHARDED_STEP = "_fxshard_sharded_step"  # attribute of the optimizers prepare returns: their ShardedStep
 _c10d = torch.ops._c10d_functional
@@ -63,11 +63,11 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Para
 
 
 def shard_optimizer_over(
-    optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter], grad_sync: GradSync
+    optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter], grad_sync: GradSync, bucket_bytes: int
 ) -> torch.optim.Optimizer:
     """A new optimizer of the same class and hyperparameters over what this rank updates (shard leaves, master
     shards for stage 1, full parameters for stage 0), existing state laid out the same way, with the stage's
-    ``ShardedStep`` hooked around its step."""
+    ``ShardedStep`` (collectives packed in buckets of up to ``bucket_bytes``) hooked around its step."""
     _check_optimizer(optimizer, leaves)
     stage = spec_of(next(iter(leaves.values()))).stage if leaves else 3
     updated = {key: MASTER_OF[leaf] if stage == 1 else leaf for key, leaf in leaves.items()}
@@ -83,7 +83,7 @@ def shard_optimizer_over(
             if stage >= 1 and torch.is_tensor(value) and tuple(value.shape) == spec.full_shape else value
             for key, value in state.items()
         }
-    step = ShardedStep(stage, list(leaves.values()), grad_sync)
+    step = ShardedStep(stage, list(leaves.values()), grad_sync, bucket_bytes)
     setattr(sharded, _SHARDED_STEP, step)
     sharded.register_step_pre_hook(step.settle_gradients)
     sharded.register_step_post_hook(step.publish_parameters)
@@ -97,11 +97,33 @@ class ShardedStep:
     all-reduces gradients that ``no_sync`` kept local; stage 1 reduce-scatters the full gradients into the master
     shards (freeing the full ones, as ZeRO-1 promises). ``publish_parameters`` (after it) makes forward see the
     update: stage 1 all-gathers the masters into the parameters, stage 2 the shards into the resident copies, each
-    cast to the compute dtype before the gather.
+    cast to the compute dtype before the gather. Stage 1's reduce-scatters and the gathers run one collective per
+    bucket (:meth:`buckets`), not per parameter: nothing overlaps them, and each collective has a fixed latency.
     """
 
-    def __init__(self, stage: int, leaves: list[nn.Parameter], grad_sync: GradSync):
-        self.stage, self.leaves, self.grad_sync = stage, leaves, grad_sync
+    def __init__(self, stage: int, leaves: list[nn.Parameter], grad_sync: GradSync, bucket_bytes: int):
+        self.stage, self.leaves, self.grad_sync, self.bucket_bytes = stage, leaves, grad_sync, bucket_bytes
+
+    def shards(self) -> list[torch.Tensor]:
+        """What the step publishes, in parameter order: every trainable stage-1 master or stage-2 leaf (each has a
+        full copy that forward reads)."""
+        shards = [MASTER_OF.get(leaf, leaf) for leaf in self.leaves if leaf.requires_grad]
+        return [shard for shard in shards if shard in FULL_COPY_OF]
+
+    def collective_dtype(self, kind: str, shard: torch.Tensor) -> torch.dtype:
+        """The dtype a step collective moves ``shard`` in: its full copy's (``"all_gather"``), or for stage 1's
+        ``"reduce_scatter"`` the reduce dtype, else the full gradient's (the full parameter's)."""
+        if kind == "all_gather":
+            return FULL_COPY_OF[shard].dtype
+        return spec_of(shard).reduce_dtype or FULL_COPY_OF[shard].dtype
+
+    def buckets(self, kind: str, shards: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``shards`` grouped as one step collective of ``kind`` takes them: in order, up to ``bucket_bytes`` of
+        full buffer per bucket, one dtype per bucket. The ledger reads the same buckets."""
+        dtypes = [self.collective_dtype(kind, shard) for shard in shards]
+        sizes = [spec_of(shard).chunk * spec_of(shard).world_size * dtype.itemsize
+                 for shard, dtype in zip(shards, dtypes)]
+        return [[shards[i] for i in bucket] for bucket in pack_greedily(sizes, self.bucket_bytes, dtypes)]
 
     @torch._dynamo.disable  # eager even inside a compiled step: gradients are new tensors every step
     @torch.no_grad()
@@ -113,21 +135,57 @@ class ShardedStep:
                     param.grad = _reduce(param.grad, spec_of(param), "all_reduce", param.dtype)
             self.grad_sync.local_grads_pending = False
         elif self.stage == 1:
-            for param in self.leaves:
-                master = MASTER_OF[param]
-                if param.grad is not None:  # else: no gradient this step, or it is in the master already
-                    master.grad = _reduce(param.grad, spec_of(master), "reduce_scatter", master.dtype)
-                    param.grad = None
+            # a parameter without a gradient has none this step, or it is in its master already
+            masters = [MASTER_OF[p] for p in self.leaves if p.grad is not None]
+            for bucket in self.buckets("reduce_scatter", masters):
+                _reduce_scatter_into_masters(bucket)
 
     @torch._dynamo.disable  # a compiled step publishes inside its graph (shard_optimizer_pass); this is the eager path
     @torch.no_grad()
     def publish_parameters(self, optimizer=None, args=None, kwargs=None) -> None:
-        for leaf in self.leaves:
-            shard = MASTER_OF.get(leaf, leaf)
-            full = FULL_COPY_OF.get(shard)
-            if full is None or not leaf.requires_grad or _PUBLISHED_AT_VERSION.get(shard) == shard._version:
-                continue
-            full.copy_(gather_full(shard, spec_of(shard), full.dtype))
+        pending = [shard for shard in self.shards() if _PUBLISHED_AT_VERSION.get(shard) != shard._version]
+        for bucket in self.buckets("all_gather", pending):
+            _gather_into_full_copies(bucket)
+
+
+def sharded_step_of(optimizer: torch.optim.Optimizer) -> ShardedStep:
+    """The ``ShardedStep`` of an optimizer ``prepare`` returned."""
+    step = getattr(optimizer, _SHARDED_STEP, None)
+    if step is None:
+        raise FxShardError("this optimizer was not returned by backend.prepare; prepare the model with its "
+                           "optimizer and use the optimizer it returns")
+    return step
+
+
+def _reduce_scatter_into_masters(masters: list[torch.Tensor]) -> None:
+    """One reduce-scatter (average) of the full gradients of the parameters these stage-1 masters shard; each
+    master's gradient becomes its slice, and the full gradient is freed."""
+    params = [FULL_COPY_OF[master] for master in masters]
+    specs = [spec_of(master) for master in masters]
+    world, group = specs[0].world_size, specs[0].group_name
+    # rank-major, written in place: row r holds the slice of every gradient that rank r keeps
+    rows = params[0].grad.new_empty(world, sum(s.chunk for s in specs), dtype=specs[0].reduce_dtype)
+    for param, spec, columns in zip(params, specs, rows.split([s.chunk for s in specs], dim=1)):
+        columns.copy_(flat_padded(param.grad, world).view(world, spec.chunk))
+    reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(rows.view(-1), "avg", world, group))
+    for master, param, piece in zip(masters, params, reduced.split([s.chunk for s in specs])):
+        # a tensor of its own, not a view into the bucket: a compiled step would see each gradient's storage offset
+        # and trace it as a size symbol
+        master.grad = piece.to(master.dtype, copy=True)
+        param.grad = None
+
+
+def _gather_into_full_copies(shards: list[torch.Tensor]) -> None:
+    """One all-gather of these shards, each cast to its full copy's dtype, into their full copies."""
+    specs = [spec_of(shard) for shard in shards]
+    fulls = [FULL_COPY_OF[shard] for shard in shards]
+    world, group = specs[0].world_size, specs[0].group_name
+    flat = torch.cat([cast_to(shard, full.dtype) for shard, full in zip(shards, fulls)])
+    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world, group))
+    # rank-major: row r holds rank r's shard of every parameter, side by side
+    columns = gathered.view(world, -1).split([spec.chunk for spec in specs], dim=1)
+    for full, spec, column in zip(fulls, specs, columns):
+        full.copy_(unpad(column.reshape(-1), spec))
 
 
 def _reduce(grad: torch.Tensor, spec: ShardSpec, grad_reduction: str, grad_dtype: torch.dtype) -> torch.Tensor:
@@ -168,10 +226,7 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     """``torch.nn.utils.clip_grad_norm_`` for the optimizer ``prepare`` returned: the norm of the whole model's
     averaged gradient, the same on every rank (a collective: every rank must call it), and every gradient scaled by
     ``min(1, max_norm / norm)``. Call it between backward and ``optimizer.step()``."""
-    step = getattr(optimizer, _SHARDED_STEP, None)
-    if step is None:
-        raise FxShardError("clip_grad_norm_ takes the optimizer that backend.prepare returned")
-    step.settle_gradients()
+    sharded_step_of(optimizer).settle_gradients()
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     norm_type = float(norm_type)
     if not params:
@@ -192,10 +247,7 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
 
 # -- a full optimizer state dict: the same at any world size and stage -------------------------------------------
 def _updated_with_specs(optimizer: torch.optim.Optimizer) -> list[list[tuple[torch.Tensor, ShardSpec]]]:
-    step = getattr(optimizer, _SHARDED_STEP, None)
-    if step is None:
-        raise FxShardError("full optimizer state dicts are for the optimizer backend.prepare returned; prepare the "
-                           "model with its optimizer first")
+    sharded_step_of(optimizer)  # the optimizer prepare returned: it updates tensors prepare laid out
     return [[(p, spec_of(p)) for p in group["params"]] for group in optimizer.param_groups]
 
 

@@ -92,3 +92,18 @@ def shard_of(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 def unpad(gathered: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """The full-shape parameter from the concatenation of all ranks' shards."""
     return gathered[: spec.numel].view(spec.full_shape)
+
+
+def pack_greedily(sizes: list[int], cap: int, kinds: list | None = None) -> list[list[int]]:
+    """Indices of ``sizes`` in consecutive buckets: a bucket takes the next item while its total stays within
+    ``cap`` and (with ``kinds``) the item is of the bucket's kind; an item larger than ``cap`` is a bucket alone."""
+    buckets: list[list[int]] = []
+    filled = 0
+    for index, size in enumerate(sizes):
+        same_kind = kinds is None or (buckets and kinds[buckets[-1][0]] == kinds[index])
+        if not buckets or filled + size > cap or not same_kind:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(index)
+        filled += size
+    return buckets

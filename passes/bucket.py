@@ -40,6 +40,7 @@ from torch import fx, nn
 
 from fxshard.errors import FxShardError
 from fxshard.ops import REDUCE_GRAD, UNSHARD
+from fxshard.sharding import pack_greedily
 
 from .context import PassContext
 from .fx_utils import ROOT_UNIT, marker_args, position, unit_of
@@ -106,15 +107,10 @@ def _greedy_by_bytes(markers: list[fx.Node], cap: int, world_size: int) -> dict[
     layers: dict[str, list[fx.Node]] = {}
     for marker in markers:  # graph order
         layers.setdefault(unit_of(marker_args(marker)["fqn"]), []).append(marker)
-    buckets: dict[fx.Node, str] = {}
-    index, filled = 0, 0
-    for layer_markers in layers.values():
-        size = sum(_buffer_bytes(m, world_size) for m in layer_markers)
-        if filled and filled + size > cap:
-            index, filled = index + 1, 0
-        filled += size
-        buckets.update((m, f"bucket{index}") for m in layer_markers)
-    return buckets
+    groups = list(layers.values())
+    sizes = [sum(_buffer_bytes(m, world_size) for m in group) for group in groups]
+    return {marker: f"bucket{index}" for index, members in enumerate(pack_greedily(sizes, cap))
+            for member in members for marker in groups[member]}
 
 
 def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -99,6 +99,26 @@ def test_load_state_dict_of_full_parameter_stages(stage):
                 assert torch.equal(master, shard_of(replacement[name], spec_of(master))), name
 
 
+def test_step_buckets_pack_parameters_in_order_up_to_the_cap():
+    from fxshard.optim import sharded_step_of
+
+    with fake_process_group(2):
+        shards = {}
+        for cap, param_dtype in ((1 << 20, None), (300, None), (1 << 20, torch.bfloat16)):
+            backend = fxshard.backend(stage=2, step_bucket_bytes=cap, param_dtype=param_dtype)
+            model = MLP()
+            model.fc2.bias.data = model.fc2.bias.data.double()  # a second dtype: a bucket holds one
+            _, opt = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            step = sharded_step_of(opt)
+            buckets = step.buckets("all_gather", step.shards())
+            shards[cap, param_dtype] = [[spec_of(s).name for s in bucket] for bucket in buckets]
+    # full buffers in f32: fc1.weight 256 B, fc1.bias 64, fc2.weight 320; fc2.bias is f64
+    assert shards[1 << 20, None] == [["fc1.weight", "fc1.bias", "fc2.weight"], ["fc2.bias"]]
+    assert shards[300, None] == [["fc1.weight"], ["fc1.bias"], ["fc2.weight"], ["fc2.bias"]]
+    # in bf16 every full copy has one dtype: one bucket
+    assert shards[1 << 20, torch.bfloat16] == [["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]]
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_compiled_optimizer_step_trains_like_the_eager_one(pools, stage):
     eager, compiled = (
@@ -110,9 +130,10 @@ def test_compiled_optimizer_step_trains_like_the_eager_one(pools, stage):
     assert "optimizer" in kinds[1] and "optimizer" not in kinds[0]
     gathers = [run["collectives"].get("all_gather", {}) for run in (eager, compiled)]
     if stage in (1, 2):
-        # eagerly every updated parameter is gathered on its own; the compiled step gathers once per module (the
-        # MLP's 4 parameters in 2 layers), the same elements, and the eager hook does not gather them again
-        assert gathers[0]["calls"] == 4 and gathers[1]["calls"] == 2
+        # the eager step packs the MLP's 4 updated parameters into one bucket (step_bucket_bytes); the compiled
+        # step gathers once per module (2 layers, the graphs' `bucket="layer"`), the same elements, and the eager
+        # hook does not gather them again
+        assert gathers[0]["calls"] == 1 and gathers[1]["calls"] == 2
         assert gathers[0]["elements"] == gathers[1]["elements"]
     else:
         assert gathers[0] == gathers[1]  # stage 3 gathers in forward/backward only; stage 0 never

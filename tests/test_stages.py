@@ -65,8 +65,8 @@ def test_stages_1_and_2_reduce_scatter_and_all_gather_psi(gpt_steps, stage):
 
 
 def test_stage_1_communicates_at_the_step_and_stage_2_per_unit_in_backward(gpt_steps):
-    n_params = 28  # GPT parameters, the tied embedding counted once
-    assert gpt_steps[1]["collectives"]["reduce_scatter"]["calls"] == n_params  # in optimizer.step()
+    # in optimizer.step(): the GPT's 28 gradients (the tied embedding's once) fit one step bucket (25 MiB)
+    assert gpt_steps[1]["collectives"]["reduce_scatter"]["calls"] == 1
     units = 15  # modules owning parameters (16), the tied embedding / head reduced once
     assert gpt_steps[2]["collectives"]["reduce_scatter"]["calls"] == units  # in the backward graph
 
@@ -110,7 +110,7 @@ def test_gradient_accumulation_matches_the_big_batch(accumulation_runs, stage):
 def test_gradient_accumulation_communicates_as_each_stage_promises(accumulation_runs):
     calls = {s: {kind: t["calls"] for kind, t in r["collectives"].items()} for s, r in accumulation_runs.items()}
     n_params, units, micro_batches = 28, 15, 3
-    assert calls[0] == {"all_reduce": n_params}  # once per step, at optimizer.step()
-    assert calls[1] == {"reduce_scatter": n_params, "all_gather": n_params}  # once per step
-    assert calls[2] == {"reduce_scatter": micro_batches * units, "all_gather": n_params}  # every micro-batch
+    assert calls[0] == {"all_reduce": n_params}  # once per step and parameter, at optimizer.step()
+    assert calls[1] == {"reduce_scatter": 1, "all_gather": 1}  # once per step: one step bucket each
+    assert calls[2] == {"reduce_scatter": micro_batches * units, "all_gather": 1}  # every micro-batch
     assert calls[3] == {"all_gather": micro_batches * (16 + 14), "reduce_scatter": micro_batches * units}
