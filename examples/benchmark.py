@@ -95,6 +95,8 @@ CONFIGS = [
     # FSDP2's grouping: one collective per block and one for the rest of the model, as fully_shard(block) for each
     # block and fully_shard(model) shard it (fxshard's default is one collective per module that owns parameters)
     Config("fxshard-3-block-buckets", "fxshard", compiled=True, stage=3, options={"bucket": "block", "blocks": [Block, GPT]}),
+    # stage 0 all-reduces per module instead of its default DDP-sized buckets (25 MiB)
+    Config("fxshard-0-layer-buckets", "fxshard", compiled=True, stage=0, options={"bucket": "layer"}),
 ]
 BY_NAME = {config.name: config for config in CONFIGS}
 

@@ -15,7 +15,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from fxshard import passes as P
 from fxshard.passes import PassContext
-from fxshard.passes.context import KNOBS
+from fxshard.passes.context import DDP_BUCKET_BYTES, KNOBS, default_bucket
 
 from .budget import optimizer_bytes
 from .errors import FxShardError
@@ -27,7 +27,6 @@ from .optim import (
 from .prepare import grad_sync_of, shard_parameters, spec_of
 
 STAGES = (0, 1, 2, 3)
-STEP_BUCKET_BYTES = next(f.default for f in dataclasses.fields(PassContext) if f.name == "step_bucket_bytes")
 COMPILERS = ("eager", "inductor")
 
 
@@ -107,7 +106,7 @@ class Backend:
             raise FxShardError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         self.stage = stage
         self.group = group
-        self.knobs = checked_knobs(knobs)
+        self.knobs = {"bucket": default_bucket(stage), **checked_knobs(knobs)}
         self.passes = list(default_passes() if passes is None else passes)
         self.compiler = compiler
         self.model: nn.Module | None = None  # what prepare laid out, for the report and the budget
@@ -123,7 +122,7 @@ class Backend:
         leaves, grad_sync = shard_parameters(model, self.stage, self.group, self.knobs.get("param_dtype"),
                                              self.knobs.get("reduce_dtype"))
         self.model = model
-        step_bucket_bytes = self.knobs.get("step_bucket_bytes", STEP_BUCKET_BYTES)
+        step_bucket_bytes = self.knobs.get("step_bucket_bytes", DDP_BUCKET_BYTES)
         self.optimizer = (None if optimizer is None
                           else shard_optimizer_over(optimizer, leaves, grad_sync, step_bucket_bytes))
         return model, self.optimizer

@@ -11,6 +11,15 @@ import torch
 GraphKind = Literal["joint", "forward", "backward", "inference", "optimizer"]
 
 
+DDP_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
+
+
+def default_bucket(stage: int) -> str | int:
+    """The backend's ``bucket`` when none is given: stage 0 all-reduces whole buckets as DDP does (nothing to
+    gather per layer, and on every backend each collective has a fixed latency); stages 1-3 per layer."""
+    return DDP_BUCKET_BYTES if stage == 0 else "layer"
+
+
 @dataclasses.dataclass(frozen=True)
 class PassContext:
     """The knobs and facts a pass may read; passes never read global state.
@@ -27,7 +36,9 @@ class PassContext:
     reshard_after_forward: stage 3 only: free gathered weights after forward and gather again in backward (True,
         ZeRO-3) or keep them from forward to backward (False: 2Ψ instead of 3Ψ per step, more memory).
     bucket: how collectives are grouped: ``"layer"`` (one per module that owns parameters), ``"block"`` (one per
-        entry of ``blocks``), or an int byte cap (greedy, in graph order).
+        entry of ``blocks``), or an int byte cap (greedy, in graph order). The backend's default depends on the
+        stage: stage 0 packs its all-reduces into ``DDP_BUCKET_BYTES`` (DDP's 25 MiB ``bucket_cap_mb``), the
+        sharded stages communicate per ``"layer"``.
     blocks: for ``bucket="block"``: module names (``"blocks.0"``) or module classes whose parameters share one
         collective, like FSDP2's per-block ``fully_shard``; the model itself (its class, or ``""``) takes what no
         inner block holds.
@@ -58,7 +69,7 @@ class PassContext:
     memory_budget: int | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    step_bucket_bytes: int = 25 << 20
+    step_bucket_bytes: int = DDP_BUCKET_BYTES
 
 
 FACTS = ("stage", "graph", "world_size", "group_name", "optimizer_bytes")

@@ -190,7 +190,8 @@ def stage_graphs(stage: int) -> dict:
 
 
 def test_stage_0_snapshot():
-    # DDP: the forward reads the full parameters as they are; backward all-reduces each layer's gradients.
+    # DDP: the forward reads the full parameters as they are; backward all-reduces the gradients in one bucket
+    # (the default 25 MiB cap holds the whole MLP), after the last of them is ready.
     graphs = stage_graphs(0)
     assert_graph_snapshot(graphs["forward"], """\
 primals_1: f32[16,8]
@@ -217,9 +218,7 @@ t_4 = aten.t(mm_1) -> f32[16,5]
 sum_1 = aten.sum(tangents_1) -> f32[1,5]
 view = aten.view(sum_1) -> f32[5]
 t_5 = aten.t(t_4) -> f32[5,16]
-view_default = aten.view(t_5) -> f32[80]  # fc2 copy_in
-cat_default = aten.cat([view, view_default]) -> f32[85]  # fc2 copy_in
-all_reduce_fc2 = c10d.all_reduce(cat_default) -> f32[85]  # fc2 all_reduce
+view_default = aten.view(t_5) -> f32[80]  # bucket0 copy_in
 detach = aten.detach(relu) -> f32[4,16]
 detach_1 = aten.detach(detach) -> f32[4,16]
 threshold_backward = aten.threshold_backward(mm, detach_1) -> f32[4,16]
@@ -229,21 +228,19 @@ t_7 = aten.t(mm_2) -> f32[8,16]
 sum_2 = aten.sum(threshold_backward) -> f32[1,16]
 view_1 = aten.view(sum_2) -> f32[16]
 t_8 = aten.t(t_7) -> f32[16,8]
-wait_fc2 = c10d.wait_tensor(all_reduce_fc2) -> f32[85]  # fc2 wait
-split_with_sizes_default = aten.split_with_sizes(wait_fc2) -> (f32[5], f32[80])  # fc2 copy_out
-getitem = getitem(split_with_sizes_default) -> f32[5]  # fc2 copy_out
-fc2_bias_grad = aten.view(getitem) -> f32[5]  # fc2 copy_out
-getitem_1 = getitem(split_with_sizes_default) -> f32[80]  # fc2 copy_out
-fc2_weight_grad = aten.view(getitem_1) -> f32[5,16]  # fc2 copy_out
-view_default_1 = aten.view(t_8) -> f32[128]  # fc1 copy_in
-cat_default_1 = aten.cat([view_1, view_default_1]) -> f32[144]  # fc1 copy_in
-all_reduce_fc1 = c10d.all_reduce(cat_default_1) -> f32[144]  # fc1 all_reduce
-wait_fc1 = c10d.wait_tensor(all_reduce_fc1) -> f32[144]  # fc1 wait
-split_with_sizes_default_1 = aten.split_with_sizes(wait_fc1) -> (f32[16], f32[128])  # fc1 copy_out
-getitem_2 = getitem(split_with_sizes_default_1) -> f32[16]  # fc1 copy_out
-fc1_bias_grad = aten.view(getitem_2) -> f32[16]  # fc1 copy_out
-getitem_3 = getitem(split_with_sizes_default_1) -> f32[128]  # fc1 copy_out
-fc1_weight_grad = aten.view(getitem_3) -> f32[16,8]  # fc1 copy_out
+view_default_1 = aten.view(t_8) -> f32[128]  # bucket0 copy_in
+cat_default = aten.cat([view, view_default, view_1, view_default_1]) -> f32[229]  # bucket0 copy_in
+all_reduce_bucket0 = c10d.all_reduce(cat_default) -> f32[229]  # bucket0 all_reduce
+wait_bucket0 = c10d.wait_tensor(all_reduce_bucket0) -> f32[229]  # bucket0 wait
+split_with_sizes_default = aten.split_with_sizes(wait_bucket0) -> (f32[5], f32[80], f32[16], f32[128])  # bucket0 copy_out
+getitem = getitem(split_with_sizes_default) -> f32[5]  # bucket0 copy_out
+fc2_bias_grad = aten.view(getitem) -> f32[5]  # bucket0 copy_out
+getitem_1 = getitem(split_with_sizes_default) -> f32[80]  # bucket0 copy_out
+fc2_weight_grad = aten.view(getitem_1) -> f32[5,16]  # bucket0 copy_out
+getitem_2 = getitem(split_with_sizes_default) -> f32[16]  # bucket0 copy_out
+fc1_bias_grad = aten.view(getitem_2) -> f32[16]  # bucket0 copy_out
+getitem_3 = getitem(split_with_sizes_default) -> f32[128]  # bucket0 copy_out
+fc1_weight_grad = aten.view(getitem_3) -> f32[16,8]  # bucket0 copy_out
 return fc1_weight_grad:f32[16,8], fc1_bias_grad:f32[16], -, fc2_weight_grad:f32[5,16], fc2_bias_grad:f32[5]""")
 
 
