@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import FxShardError
-from .ops import cast_to, flat_padded, reduce_grad
+from .ops import cast_to, flat_padded
 from .passes.fx_utils import unit_of
 from .prepare import (
     FULL_COPY_OF, GRAD_SYNC_OF, MASTER_OF, REPLACED_BY_SHARD, SPEC_OF, GradSync, gather_full, spec_of,
@@ -112,7 +112,10 @@ class ShardedStep:
 
     def collective_dtype(self, kind: str, shard: torch.Tensor) -> torch.dtype:
         """The dtype a step collective moves ``shard`` in: its full copy's (``"all_gather"``), or for stage 1's
-        ``"reduce_scatter"`` the reduce dtype, else the full gradient's (the full parameter's)."""
+        ``"reduce_scatter"`` the reduce dtype, else the full gradient's (the full parameter's); for stage 0's
+        ``"all_reduce"`` of gradients ``no_sync`` kept local, the reduce dtype, else the parameter's."""
+        if kind == "all_reduce":
+            return spec_of(shard).reduce_dtype or shard.dtype
         if kind == "all_gather":
             return FULL_COPY_OF[shard].dtype
         return spec_of(shard).reduce_dtype or FULL_COPY_OF[shard].dtype
@@ -130,9 +133,8 @@ class ShardedStep:
     def settle_gradients(self, optimizer=None, args=None, kwargs=None) -> None:
         if self.stage == 0 and self.grad_sync.local_grads_pending:
             # Averaging is idempotent on gradients that were already reduced: a synced last micro-batch stays exact.
-            for param in self.leaves:
-                if param.grad is not None:
-                    param.grad = _reduce(param.grad, spec_of(param), "all_reduce", param.dtype)
+            for bucket in self.buckets("all_reduce", [p for p in self.leaves if p.grad is not None]):
+                _all_reduce_gradients(bucket)
             self.grad_sync.local_grads_pending = False
         elif self.stage == 1:
             # a parameter without a gradient has none this step, or it is in its master already
@@ -155,6 +157,15 @@ def sharded_step_of(optimizer: torch.optim.Optimizer) -> ShardedStep:
         raise FxShardError("this optimizer was not returned by backend.prepare; prepare the model with its "
                            "optimizer and use the optimizer it returns")
     return step
+
+
+def _all_reduce_gradients(params: list[torch.Tensor]) -> None:
+    """One all-reduce (average) of these parameters' gradients, flat and concatenated in the reduce dtype; each
+    gradient becomes its averaged slice, in the parameter's dtype."""
+    flat = torch.cat([cast_to(p.grad, spec_of(p).reduce_dtype).reshape(-1) for p in params])
+    reduced = _c10d.wait_tensor(_c10d.all_reduce(flat, "avg", spec_of(params[0]).group_name))
+    for param, piece in zip(params, reduced.split([p.numel() for p in params])):
+        param.grad = piece.view_as(param).to(param.dtype, copy=True)
 
 
 def _reduce_scatter_into_masters(masters: list[torch.Tensor]) -> None:
@@ -186,11 +197,6 @@ def _gather_into_full_copies(shards: list[torch.Tensor]) -> None:
     columns = gathered.view(world, -1).split([spec.chunk for spec in specs], dim=1)
     for full, spec, column in zip(fulls, specs, columns):
         full.copy_(unpad(column.reshape(-1), spec))
-
-
-def _reduce(grad: torch.Tensor, spec: ShardSpec, grad_reduction: str, grad_dtype: torch.dtype) -> torch.Tensor:
-    return reduce_grad(grad, spec.world_size, spec.group_name, spec.name, grad_reduction, spec.reduce_dtype,
-                       grad_dtype)
 
 
 def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:

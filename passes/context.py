@@ -49,8 +49,9 @@ class PassContext:
     param_dtype: mixed precision: the dtype forward and backward compute in (parameters are cast from the fp32
         master before they are gathered); None computes in the parameters' own dtype.
     reduce_dtype: mixed precision: the dtype gradients are reduced in; None reduces in ``param_dtype``.
-    step_bucket_bytes: stages 1 and 2, eager ``optimizer.step()``: its collectives (stage 1's reduce-scatter of the
-        gradients, the all-gathers that publish the updated shards) are packed in parameter order into buckets of up
+    step_bucket_bytes: the eager ``optimizer.step()``'s collectives (stage 1's reduce-scatter of the gradients,
+        stages 1 and 2's all-gathers that publish the updated shards, stage 0's all-reduce of gradients ``no_sync``
+        kept local) are packed in parameter order into buckets of up
         to this many bytes of full buffer (DDP's 25 MiB by default); a compiled step follows ``bucket``. Nothing
         overlaps them, so fewer and larger is faster, at a transient cost of one bucket.
     """

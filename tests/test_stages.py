@@ -109,8 +109,8 @@ def test_gradient_accumulation_matches_the_big_batch(accumulation_runs, stage):
 
 def test_gradient_accumulation_communicates_as_each_stage_promises(accumulation_runs):
     calls = {s: {kind: t["calls"] for kind, t in r["collectives"].items()} for s, r in accumulation_runs.items()}
-    n_params, units, micro_batches = 28, 15, 3
-    assert calls[0] == {"all_reduce": n_params}  # once per step and parameter, at optimizer.step()
+    units, micro_batches = 15, 3
+    assert calls[0] == {"all_reduce": 1}  # once per step, at optimizer.step(): one step bucket
     assert calls[1] == {"reduce_scatter": 1, "all_gather": 1}  # once per step: one step bucket each
     assert calls[2] == {"reduce_scatter": micro_batches * units, "all_gather": 1}  # every micro-batch
     assert calls[3] == {"all_gather": micro_batches * (16 + 14), "reduce_scatter": micro_batches * units}
