@@ -107,7 +107,7 @@ def validate(rank: int, world_size: int, port: int, args: argparse.Namespace) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="timed rounds (one step of each configuration)")
+    parser.add_argument("--steps", type=int, default=30, help="timed rounds (one step of each configuration)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--calibrate-on", choices=list(CONFIGURATIONS), default="stage 3, prefetch 1")
     parser.add_argument("--world-size", type=int, default=2)

@@ -389,7 +389,7 @@ def _replay(graphs) -> Callable[[], None]:
 
 
 def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22),
-              repeats: int = 20, steps: int = 8) -> Machine:
+              repeats: int = 20, steps: int = 20) -> Machine:
     """Measure this machine and process group; a collective: every rank calls it with the same arguments. Returns
     the same :class:`Machine` on every rank (times are averaged over the ranks before anything is fitted).
 

@@ -51,9 +51,9 @@ class PassContext:
     reduce_dtype: mixed precision: the dtype gradients are reduced in; None reduces in ``param_dtype``.
     step_bucket_bytes: the eager ``optimizer.step()``'s collectives (stage 1's reduce-scatter of the gradients,
         stages 1 and 2's all-gathers that publish the updated shards, stage 0's all-reduce of gradients ``no_sync``
-        kept local) are packed in parameter order into buckets of up
-        to this many bytes of full buffer (DDP's 25 MiB by default); a compiled step follows ``bucket``. Nothing
-        overlaps them, so fewer and larger is faster, at a transient cost of one bucket.
+        kept local) are packed in parameter order into buckets of up to this many bytes of full buffer (DDP's
+        25 MiB by default); a compiled step follows ``bucket``. Nothing overlaps them, so fewer and larger is
+        faster, at a transient cost of one bucket.
     """
 
     stage: int
