@@ -606,7 +606,6 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
     contributes only its collectives to the schedule. A compiled ``optimizer.step`` contributes the collectives of
     its graph (of the latest compile, where it was recompiled) in place of the eager step's per-parameter gathers."""
     names = _names_from_model(model)
-    model_leaves = {id(p) for p in model.parameters()} if model is not None else set()
     terms, schedule, copies = [], [], []
     all_params: dict[str, _Param] = {}
     sizes, peaks = None, []

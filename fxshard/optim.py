@@ -97,8 +97,8 @@ class ShardedStep:
     all-reduces gradients that ``no_sync`` kept local; stage 1 reduce-scatters the full gradients into the master
     shards (freeing the full ones, as ZeRO-1 promises). ``publish_parameters`` (after it) makes forward see the
     update: stage 1 all-gathers the masters into the parameters, stage 2 the shards into the resident copies, each
-    cast to the compute dtype before the gather. Stage 1's reduce-scatters and the gathers run one collective per
-    bucket (:meth:`buckets`), not per parameter: nothing overlaps them, and each collective has a fixed latency.
+    cast to the compute dtype before the gather. Every one of these runs one collective per bucket
+    (:meth:`buckets`), not per parameter: nothing overlaps them, and each collective has a fixed latency.
     """
 
     def __init__(self, stage: int, leaves: list[nn.Parameter], grad_sync: GradSync, bucket_bytes: int):
@@ -312,7 +312,7 @@ def load_full_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
                                            f"{list(spec.full_shape)}; load a full optimizer state dict (from "
                                            "backend.full_optimizer_state_dict()) of the same model")
                     value = value.to(updated.dtype)
-                    kinds[kind] = shard_of(value, spec) if updated.shape != value.shape else value.clone()
+                    kinds[kind] = shard_of(value, spec) if spec.stage >= 1 else value.clone()
                 else:
                     kinds[kind] = value.clone() if torch.is_tensor(value) else value
             laid_out[updated] = kinds

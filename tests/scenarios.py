@@ -555,7 +555,3 @@ def compiled_model(model_name: str, stage: int, world: int = 2, **backend_option
         batch = _ledger_batch(model_name, torch.Generator().manual_seed(0))
         loss_of(model_name, torch.compile(model, backend=backend, fullgraph=True), batch).backward()
         return backend
-
-
-def compiled_chain(stage: int, world: int = 2, **backend_options):
-    return compiled_model("chain", stage, world, **backend_options)

@@ -13,7 +13,7 @@ STAGES = [0, 1, 2, 3]
 
 
 def compiled_ledger(stage: int, world: int = 2, **options) -> budget.Ledger:
-    return budget.ledger(scenarios.compiled_chain(stage, world, **options))
+    return budget.ledger(scenarios.compiled_model("chain", stage, world, **options))
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_peak_within_tolerance(measured_world2):
 def _ledgers_or_error(stage: int, memory_budget: int | None):
     """Compile the Chain's step under ``memory_budget``: each graph's recorded ledger by kind, or the FxShardError."""
     try:
-        backend = scenarios.compiled_chain(stage, memory_budget=memory_budget)
+        backend = scenarios.compiled_model("chain", stage, memory_budget=memory_budget)
     except fxshard.FxShardError as error:
         return None, error
     return {r.kind: r.final.meta["fxshard_ledger"] for r in backend.graphs if r.kind in ("forward", "backward")}, None

@@ -16,7 +16,7 @@ from fxshard.simulate import (
 
 @pytest.fixture(scope="module")
 def stage3():
-    return {prefetch: scenarios.compiled_chain(3, prefetch=prefetch) for prefetch in (0, 1)}
+    return {prefetch: scenarios.compiled_model("chain", 3, prefetch=prefetch) for prefetch in (0, 1)}
 
 
 SLOW_NET = Machine(flops_per_s=1e6, memory_bandwidth=1e7, bandwidth=1e5, latency=1e-4)
@@ -51,7 +51,7 @@ def test_ring_costs():
 
 
 def test_stage_1_adds_the_optimizer_steps_collectives_unhidden():
-    timeline = simulate(scenarios.compiled_chain(1), 2, machine=SLOW_NET)
+    timeline = simulate(scenarios.compiled_model("chain", 1), 2, machine=SLOW_NET)
     step_events = [e for e in timeline.events if e.graph == "optimizer step"]
     assert {e.node for e in step_events} == {"all_gather", "reduce_scatter"}
     assert timeline.exposed_comm >= sum(e.end - e.start for e in step_events) - 1e-12
@@ -129,7 +129,7 @@ def test_fit_step_recovers_the_overheads_and_predicts_another_configuration(stag
     assert fitted.op_overhead == pytest.approx(2e-5, rel=1e-6)
     assert fitted.collective_overhead == pytest.approx(7e-4, rel=1e-6)
     assert fitted.step_overhead == pytest.approx(3e-3, rel=1e-6)
-    for other in (stage3[0], scenarios.compiled_chain(0)):
+    for other in (stage3[0], scenarios.compiled_model("chain", 0)):
         assert simulate(other, 2, machine=fitted).step_time == pytest.approx(
             simulate(other, 2, machine=truth).step_time, rel=1e-6)
 
@@ -142,7 +142,7 @@ def test_fits_clip_at_zero_when_the_model_already_explains_the_time(stage3):
 
 
 def test_fits_refuse_what_they_cannot_fit(stage3):
-    stage1_graphs = _graphs(scenarios.compiled_chain(1))  # stage 1's graphs do not communicate
+    stage1_graphs = _graphs(scenarios.compiled_model("chain", 1))  # stage 1's graphs do not communicate
     with pytest.raises(fxshard.FxShardError, match="needs graphs with collectives.*stage"):
         fit_collective_overhead(stage1_graphs, 2, 1.0, SLOW_NET)
     with pytest.raises(fxshard.FxShardError, match="positive seconds"):
