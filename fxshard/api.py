@@ -15,10 +15,11 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from fxshard import passes as P
 from fxshard.passes import PassContext
-from fxshard.passes.context import DDP_BUCKET_BYTES, KNOBS, default_bucket
+from fxshard.passes.context import COLLECTIVE_TIMEOUT_S, DDP_BUCKET_BYTES, KNOBS, default_bucket
 
 from .budget import optimizer_bytes
 from .errors import FxShardError
+from .groups import explaining_peer_failures
 from .pipeline import GraphRecord, Pass, run_passes
 from .optim import (
     annotate_optimizer_graph, clip_grad_norm_, full_state_dict, load_full_state_dict, mark_published,
@@ -68,6 +69,9 @@ def checked_knobs(knobs: dict) -> dict:
     step_bucket = knobs.get("step_bucket_bytes", 1)
     if isinstance(step_bucket, bool) or not isinstance(step_bucket, int) or step_bucket <= 0:
         raise FxShardError(f"step_bucket_bytes must be a positive int (bytes), got {step_bucket!r}")
+    timeout = knobs.get("collective_timeout_s", 1)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise FxShardError(f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
     budget = knobs.get("memory_budget")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
         raise FxShardError(f"memory_budget must be a positive number of bytes per rank, got {budget!r}")
@@ -87,7 +91,7 @@ class Backend:
     (``"eager"`` runs the rewritten graphs as they are, ``"inductor"`` compiles them), and the knobs every pass
     reads, documented on ``fxshard.passes.PassContext``: ``reshard_after_forward``, ``bucket``, ``blocks``,
     ``prefetch``, ``max_inflight_gathers``, ``schedule``, ``memory_budget``, ``param_dtype``, ``reduce_dtype``,
-    ``step_bucket_bytes``. An
+    ``step_bucket_bytes``, ``collective_timeout_s``. An
     unknown option or a value of the wrong kind raises FxShardError.
     """
 
@@ -120,7 +124,8 @@ class Backend:
         if not isinstance(model, nn.Module):
             raise FxShardError(f"prepare takes an nn.Module, got {type(model).__name__}")
         leaves, grad_sync = shard_parameters(model, self.stage, self.group, self.knobs.get("param_dtype"),
-                                             self.knobs.get("reduce_dtype"))
+                                             self.knobs.get("reduce_dtype"),
+                                             self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
         self.model = model
         step_bucket_bytes = self.knobs.get("step_bucket_bytes", DDP_BUCKET_BYTES)
         self.optimizer = (None if optimizer is None
@@ -250,9 +255,8 @@ class Backend:
 
     def _compile_graph(self, context, graph_id, inductor: _Inductor | None, kind, gm: fx.GraphModule, example_inputs):
         gm = self._run(context, graph_id, kind, gm)
-        if inductor is not None:
-            return inductor.compile(kind, gm, example_inputs)
-        return make_boxed_func(gm.forward)
+        compiled = inductor.compile(kind, gm, example_inputs) if inductor else make_boxed_func(gm.forward)
+        return explaining_peer_failures(compiled, f"the {kind} graph", context.collective_timeout_s)
 
     # -- reporting ----------------------------------------------------------------------------------------------
     def report(self, format: str = "text", measured=None) -> str:

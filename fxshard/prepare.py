@@ -28,7 +28,9 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import FxShardError
+from .groups import collective_group
 from .ops import unshard
+from .passes.context import COLLECTIVE_TIMEOUT_S
 from .sharding import ShardSpec, shard_of
 
 _SPECS = "_fxshard_specs"  # module attribute: {parameter attribute name: ShardSpec}
@@ -219,15 +221,17 @@ def shard_parameters(
     group=None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
 ) -> tuple[dict[int, nn.Parameter], GradSync]:
     """Lay out every parameter of ``model`` for ``stage``, in place; returns {id(original param): trainable leaf}
-    and the model's GradSync."""
+    and the model's GradSync. Each ShardSpec names the group fxshard communicates on (``collective_group``)."""
     if is_prepared(model) or any(spec_of(p) is not None for p in model.parameters()):
         raise FxShardError("this model is already prepared; call backend.prepare once per model")
     grad_sync = GradSync()
     model.__dict__[_GRAD_SYNC] = grad_sync
     group = _resolve_group(group)
-    world_size, rank, group_name = dist.get_world_size(group), dist.get_rank(group), group.group_name
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    group_name = collective_group(group, collective_timeout_s).group_name
     _broadcast_from_first_rank(model, group)
     leaves: dict[int, nn.Parameter] = {}
     for path, module in model.named_modules(remove_duplicate=False):

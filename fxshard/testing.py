@@ -16,10 +16,11 @@ import datetime
 import multiprocessing
 import os
 import queue
+import signal
 import socket
+import tempfile
 import time
 import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -120,7 +121,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float, log_path: str) -> None:
+    # The rank's own output (and glibc's abort message, which LIBC_FATAL_STDERR_ sends to stderr) goes to a file
+    # the pool reads back when the rank dies.
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ["LIBC_FATAL_STDERR_"] = "1"  # older glibc writes its abort message to the terminal otherwise
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -137,26 +144,53 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: fl
 
 
 class WorkerError(AssertionError):
-    """A function failed on one or more ranks of a WorkerPool; the message holds each rank's traceback."""
+    """A function failed on one or more ranks of a WorkerPool, or a rank died; the message holds each failing
+    rank's traceback and, for a rank that died, its signal and last output lines.
+
+    ``outcomes`` maps each rank that reported to ``(ok, result or traceback)``; ``deaths`` maps each rank that
+    died to how (``"SIGKILL"``, ``"exit code 1"``)."""
+
+    def __init__(self, message: str, outcomes: dict | None = None, deaths: dict | None = None):
+        super().__init__(message)
+        self.outcomes, self.deaths = outcomes or {}, deaths or {}
 
 
-class _RankKilled(Exception):
-    """A rank's process died from a signal (the other ranks then fail in their collectives)."""
+def _how_it_ended(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _last_lines(path: str, count: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as log:
+            return "".join(log.readlines()[-count:])
+    except OSError:
+        return ""
 
 
 class WorkerPool:
     """``world_size`` spawned processes, each a rank of one gloo process group on 127.0.0.1, kept for many runs.
 
     ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank (``fn`` must be importable: a module-level function)
-    and returns the results in rank order, or raises ``WorkerError`` with the ranks' tracebacks. A run that takes
-    longer than ``timeout_s`` (or ``grace_s`` after one rank failed) kills the pool (a hung collective never hangs
-    the caller); the next run restarts it. A run in which a rank is killed by a signal is retried once.
+    and returns the results in rank order, or raises ``WorkerError``. A rank that dies (a signal, or any exit)
+    fails the run: the error names the rank, the signal and the rank's last output lines, after the other ranks
+    had ``grace_s`` to report (their errors follow from the death and are shown too). Nothing is retried: a crash is
+    a bug to find. A run that takes longer than ``timeout_s`` (or ``grace_s`` after one rank failed) kills the pool
+    (a hung collective never hangs the caller). After a death or a timeout the next run starts fresh processes.
     Dynamo's caches are reset before each run.
     """
 
     def __init__(self, world_size: int, timeout_s: float = 300.0, grace_s: float = 20.0):
         self.world_size, self.timeout_s, self.grace_s = world_size, timeout_s, grace_s
         self._procs: list = []
+        self._logs = tempfile.mkdtemp(prefix="fxshard-pool-")
+
+    def _log_path(self, rank: int) -> str:
+        return os.path.join(self._logs, f"rank{rank}.log")
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -165,57 +199,48 @@ class WorkerPool:
         self._tasks = [context.Queue() for _ in range(self.world_size)]
         self._procs = [
             context.Process(target=_worker, args=(rank, self.world_size, port, self._tasks[rank], self._results,
-                                                  self.timeout_s), daemon=True)
+                                                  self.timeout_s, self._log_path(rank)), daemon=True)
             for rank in range(self.world_size)
         ]
-        for proc in self._procs:
+        for rank, proc in enumerate(self._procs):
+            open(self._log_path(rank), "w").close()
             proc.start()
 
     def run(self, fn, *args, **kwargs) -> list:
-        try:
-            return self._run_once(fn, *args, **kwargs)
-        except _RankKilled as killed:
-            # A rank killed by a signal is the process dying under Python, not a failing test (seen
-            # once in a full suite on 2 loaded cores: glibc's "malloc(): unaligned tcache chunk" in a profiled
-            # step). The restarted pool runs the same function once more; a second death is reported.
-            warnings.warn(f"{killed}; running {getattr(fn, '__name__', fn)} once more on a fresh pool")
-        try:
-            return self._run_once(fn, *args, **kwargs)
-        except _RankKilled as killed:
-            raise WorkerError(str(killed)) from None
-
-    def _run_once(self, fn, *args, **kwargs) -> list:
         if not self._procs:
             self._start()
         for tasks in self._tasks:
             tasks.put((fn, args, kwargs))
         outcomes: dict[int, tuple[bool, object]] = {}
-        dead_by_signal = False
+        deaths: dict[int, str] = {}
         deadline = time.monotonic() + self.timeout_s
-        problem = None
-        while len(outcomes) < self.world_size:
+        while len(outcomes) + len(deaths) < self.world_size and time.monotonic() < deadline:
             try:
-                rank, ok, value = self._results.get(timeout=1)
+                rank, ok, value = self._results.get(timeout=0.2)
                 outcomes[rank] = (ok, value)
                 if not ok:  # the other ranks may now wait in a collective forever: give them a short grace
                     deadline = min(deadline, time.monotonic() + self.grace_s)
             except queue.Empty:
-                dead = [p for p in self._procs if not p.is_alive()]
-                if dead:
-                    problem = f"a rank process exited with code {dead[0].exitcode}"
-                    dead_by_signal = dead[0].exitcode < 0
-                elif time.monotonic() > deadline:
-                    problem = f"ranks {sorted(set(range(self.world_size)) - set(outcomes))} gave no result in time"
-                if problem:
-                    self.close()
-                    break
+                for rank, proc in enumerate(self._procs):
+                    if rank not in deaths and rank not in outcomes and not proc.is_alive():
+                        deaths[rank] = _how_it_ended(proc.exitcode)
+                        deadline = min(deadline, time.monotonic() + self.grace_s)
+        name = getattr(fn, "__name__", fn)
+        silent = sorted(set(range(self.world_size)) - set(outcomes) - set(deaths))
         failures = [f"--- rank {rank} ---\n{value[-3000:]}" for rank, (ok, value) in sorted(outcomes.items()) if not ok]
-        if problem:
-            failures.append(f"{problem}; the pool was restarted")
-        if problem and dead_by_signal:  # the other ranks' errors (connection reset) follow from the death
-            raise _RankKilled(f"{getattr(fn, '__name__', fn)}: {problem}; the pool was restarted")
+        for rank, how in sorted(deaths.items()):
+            failures.append(f"--- rank {rank} died ({how}); its last output lines: ---\n"
+                            f"{_last_lines(self._log_path(rank))}")
+        if silent:
+            failures.append(f"ranks {silent} gave no result in time")
+        if deaths or silent:
+            for rank in silent:  # stuck in a collective with a dead or failed peer
+                self._procs[rank].kill()
+            self.close()
+            failures.append("the pool was restarted")
         if failures:
-            raise WorkerError(f"{getattr(fn, '__name__', fn)} failed:\n" + "\n".join(failures))
+            headline = f"{name}: rank(s) {sorted(deaths)} died" if deaths else f"{name} failed"
+            raise WorkerError(f"{headline}:\n" + "\n".join(failures), outcomes, deaths)
         return [outcomes[rank][1] for rank in range(self.world_size)]
 
     def close(self) -> None:
@@ -226,6 +251,7 @@ class WorkerPool:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+                proc.join()
         self._procs = []
 
 

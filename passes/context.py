@@ -12,6 +12,7 @@ GraphKind = Literal["joint", "forward", "backward", "inference", "optimizer"]
 
 
 DDP_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
+COLLECTIVE_TIMEOUT_S = 30.0  # how long a rank waits for its peers in one of fxshard's collectives
 
 
 def default_bucket(stage: int) -> str | int:
@@ -54,6 +55,10 @@ class PassContext:
         kept local) are packed in parameter order into buckets of up to this many bytes of full buffer (DDP's
         25 MiB by default); a compiled step follows ``bucket``. Nothing overlaps them, so fewer and larger is
         faster, at a transient cost of one bucket.
+    collective_timeout_s: seconds a rank waits in one of fxshard's collectives for its peers before it fails with
+        FxShardError (a peer died, raised, or stopped calling the model). On gloo it is the timeout of the group
+        fxshard communicates on; raise it if ranks do long work of their own between steps (evaluation on rank 0,
+        a slow save). Compilation is not counted: ranks compile the same graphs at the same time.
     """
 
     stage: int
@@ -71,6 +76,7 @@ class PassContext:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     step_bucket_bytes: int = DDP_BUCKET_BYTES
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
 FACTS = ("stage", "graph", "world_size", "group_name", "optimizer_bytes")

@@ -527,17 +527,16 @@ def reload_full_optimizer_state(stage: int, path: str) -> dict:
     return {"regathered": backend.full_optimizer_state_dict(), "exp_avg_elements_held": held}
 
 
-def die_once(marker: str) -> int:
-    """Rank 1 kills its own process with SIGABRT the first time (``marker`` does not exist yet), as a process
-    dying under Python would; every rank returns its rank otherwise."""
+def rank_one_dies(signal_name: str) -> int:
+    """Rank 1 prints a line and kills its own process with ``signal_name``, as a process dying under Python would;
+    the other ranks then wait for it in a barrier."""
     import os
-    import pathlib
     import signal
 
     rank, _ = rank_and_world()
-    if rank == 1 and not pathlib.Path(marker).exists():
-        pathlib.Path(marker).touch()
-        os.kill(os.getpid(), signal.SIGABRT)
+    if rank == 1:
+        print("rank 1: last words before the signal", flush=True)
+        os.kill(os.getpid(), getattr(signal, signal_name))
     torch.distributed.barrier()
     return rank
 
@@ -555,3 +554,67 @@ def compiled_model(model_name: str, stage: int, world: int = 2, **backend_option
         batch = _ledger_batch(model_name, torch.Generator().manual_seed(0))
         loss_of(model_name, torch.compile(model, backend=backend, fullgraph=True), batch).backward()
         return backend
+
+
+class _FaultyMLP(torch.nn.Module):
+    """The MLP with a point between its layers where one rank can fail mid-forward (a graph break: the point runs
+    eagerly between two compiled graphs)."""
+
+    def __init__(self, fault_at: tuple[int, int, str]):
+        super().__init__()
+        self.inner, self.fault_at, self.calls = build_model("mlp"), fault_at, 0
+
+    def forward(self, x):
+        hidden = torch.relu(self.inner.fc1(x))
+        self._maybe_fail()
+        return self.inner.fc2(hidden)
+
+    @torch._dynamo.disable
+    def _maybe_fail(self):
+        import os
+        import signal
+
+        self.calls += 1
+        rank, call, fault = self.fault_at
+        if (rank, call) == (rank_and_world()[0], self.calls) and fault == "sigkill_mid_forward":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def peer_fault(fault: str, timeout_s: float) -> dict:
+    """Train the MLP at stage 3 where rank 1 fails in step 2: ``"sigkill_mid_forward"`` (killed between its layers)
+    or ``"raise_in_loss"`` (an exception after forward, before backward). The other ranks return what they raised
+    and how long after the start of step 2."""
+    import time
+
+    rank, world = rank_and_world()
+    model = _FaultyMLP((1, 2, fault))
+    backend = fxshard.backend(stage=3, collective_timeout_s=timeout_s)
+    model, opt = backend.prepare(model, make_optimizer("sgd", model.parameters()))
+    run = torch.compile(model, backend=backend)
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(1, 4):
+        start = time.monotonic()
+        try:
+            inputs, targets = global_batch("mlp", PER_RANK_BATCH, generator)
+            loss = F.mse_loss(run(inputs), targets)
+            if (rank, step, fault) == (1, 2, "raise_in_loss"):
+                raise ValueError("rank 1's loss could not be computed")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        except Exception as error:
+            if rank == 1:
+                raise
+            return {"step": step, "error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
+    return {"step": None}
+
+
+def worker_threads_of_groups() -> dict:
+    """Gloo worker threads of the user's group and of the group a prepared model's collectives name."""
+    from fxshard.groups import gloo_worker_threads
+    from fxshard.prepare import spec_of
+
+    model = build_model("mlp")
+    fxshard.backend(stage=3).prepare(model)
+    return {"user": gloo_worker_threads(torch.distributed.group.WORLD.group_name),
+            "fxshard": gloo_worker_threads(spec_of(model.fc1._parameters["weight"]).group_name)}

@@ -1,0 +1,107 @@
+"""The process group fxshard's own collectives run on.
+
+On gloo, fxshard does not communicate on the group it is given: ``collective_group`` builds a twin of it (the same
+ranks) whose gloo backend has ONE worker thread, and every marker, lowered collective and optimizer-step collective
+names that twin. Why: torch 2.13's ``ProcessGroupGloo::runLoop`` writes the group's status (the name of the last
+completed work, a heap-allocated string) after each collective without holding the lock that guards it, so two
+collectives that finish together on gloo's two default worker threads free the same buffer twice and the rank dies
+in malloc (docs/known-issues.md). Prefetch keeps two or more collectives in flight, which makes that likely. With
+one worker thread a group's collectives run one after another, in the order they were issued, on that thread, while
+the main thread computes: the overlap of communication and compute stays (it is the overlap NCCL's one stream gives).
+
+Every other backend (NCCL, the single-process ``fake`` group of ``fxshard.testing``) is used as it is. The user's
+group stays theirs: ``prepare`` broadcasts over it, and nothing of fxshard's runs on it afterwards.
+
+The twin also carries fxshard's collective timeout: a rank that waits longer than ``timeout_s`` for its peers (one
+died, raised, or stopped calling the model) fails instead of hanging for gloo's default half hour.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+
+import torch
+import torch.distributed as dist
+
+from .errors import FxShardError
+
+ONE_THREAD_GLOO = "fxshard_gloo"  # the name the one-worker-thread gloo backend is registered under
+
+
+def _one_thread_gloo(store, rank: int, world_size: int, timeout: datetime.timedelta):
+    # The options are private API: init_process_group/new_group ignore gloo options in torch 2.13.
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._threads = 1
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def _uses_gloo(group) -> bool:
+    backend = dist.get_backend(group)
+    return backend == "gloo" or "cpu:gloo" in backend.split(",")
+
+
+_TWINS: dict[tuple[str, float], dist.ProcessGroup] = {}  # (user group's name, timeout) -> its one-thread twin
+
+
+def collective_group(group, timeout_s: float) -> dist.ProcessGroup:
+    """The group fxshard's collectives over ``group``'s ranks run on: a one-worker-thread gloo twin of a gloo
+    ``group`` (made once per group and timeout, by every rank of ``group`` together), else ``group`` itself."""
+    if not _uses_gloo(group):
+        return group
+    key = (group.group_name, float(timeout_s))
+    if key not in _TWINS:
+        if ONE_THREAD_GLOO.upper() not in dist.Backend._plugins:
+            dist.Backend.register_backend(ONE_THREAD_GLOO, _one_thread_gloo, devices=["cpu"])
+        _TWINS[key] = dist.new_group(
+            ranks=dist.get_process_group_ranks(group), backend=ONE_THREAD_GLOO,
+            timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True,
+        )
+    return _TWINS[key]
+
+
+def gloo_worker_threads(group_name: str) -> int | None:
+    """How many worker threads the gloo backend of the group named ``group_name`` runs (None: not gloo)."""
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:  # no CPU backend (NCCL only)
+        return None
+    return backend.options._threads if isinstance(backend, dist.ProcessGroupGloo) else None
+
+
+# What a collective's failure says, on gloo (a peer's socket closed, or no peer within the timeout) and on NCCL.
+_PEER_FAILURE = re.compile(r"third_party/gloo|Connection (closed|reset) by peer|Timed out waiting|caused pair closure|NCCL (error|timeout)")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because a peer rank did not take part in it."""
+    return isinstance(error, RuntimeError) and bool(_PEER_FAILURE.search(str(error)))
+
+
+def peer_failure(error: RuntimeError, where: str, timeout_s: float) -> FxShardError:
+    """The FxShardError a rank raises when one of fxshard's collectives failed for want of a peer."""
+    first_line = str(error).strip().splitlines()[0]
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    return FxShardError(
+        f"rank {rank}: a collective in {where} failed: {first_line}. Another rank died, raised an exception, or "
+        f"stopped running the same step: look for its own error. A rank waits {timeout_s:g} s for its peers (the "
+        "backend option collective_timeout_s); the process group cannot be used after this: end the process"
+    )
+
+
+def explaining_peer_failures(compiled, where: str, timeout_s: float):
+    """``compiled`` (a boxed graph callable) whose collectives' peer failures raise ``peer_failure``."""
+
+    def run(*args):
+        try:
+            return compiled(*args)
+        except RuntimeError as error:
+            if isinstance(error, FxShardError) or not is_peer_failure(error):
+                raise
+            raise peer_failure(error, where, timeout_s) from error
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
