@@ -21,8 +21,8 @@ deaths and failures per configuration and the total. Nothing is retried; the exi
 failed. Every rank's output is kept in ``--log-dir`` (a fresh folder under /tmp by default), with one JSON line per
 run in ``results.jsonl``.
 
-**Soak** (``--soak``): one long training of the benchmark's GPT (examples/benchmark.py's ``MODEL``, ~3.7M
-parameters) at stage 3 with the backend's default prefetch on 2 ranks, ``--steps`` 2000 by default. It passes
+**Soak** (``--soak``): one long training of the example GPT (the stress runs' ``gpt``, examples/train_gpt.py's
+configuration) at stage 3 with the backend's default prefetch on 2 ranks, ``--steps`` 2000 by default. It passes
 when no rank dies or fails, each rank's resident memory (RSS, read from /proc/self/statm after every step) stays
 within 2% (max over min) from step 100 on, and Dynamo compiles no new graph after the first step
 (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``; torch 2.13 keeps no counter of recompilations as
@@ -390,11 +390,11 @@ def estimated_remaining(results: list[RunResult], configs: list[StressConfig], r
 
 def soak(args: argparse.Namespace, log_dir: pathlib.Path) -> int:
     compiler = args.compilers[0]
-    print(f"soak: {args.steps} steps of the benchmark's GPT at stage {SOAK_STAGE}, default prefetch, {compiler} "
+    print(f"soak: {args.steps} steps of the example GPT at stage {SOAK_STAGE}, default prefetch, {compiler} "
           f"compiler, {WORLD_SIZE} gloo ranks; logs in {log_dir}", flush=True)
     job = {"mode": "soak", "compiler": compiler, "steps": args.steps, "print_every": 100}
     ranks, seconds = launch(job, str(log_dir / "soak"), timeout_s=None)
-    result = RunResult(0, StressConfig("gpt-benchmark", SOAK_STAGE, -1, compiler), seconds, ranks)
+    result = RunResult(0, StressConfig("gpt", SOAK_STAGE, -1, compiler), seconds, ranks)
     print(f"soak: {clock(seconds)}, {result.outcome}; {fxshard_origin()}")
     if result.outcome != "ok":
         print(result.explain())
@@ -438,13 +438,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--runs", type=int, help="stress: this many short trainings, each on fresh ranks")
-    mode.add_argument("--soak", action="store_true", help="one long stage-3 training of the benchmark's GPT")
+    mode.add_argument("--soak", action="store_true", help="one long stage-3 training of the example GPT")
     parser.add_argument("--steps", type=int, help="steps per run (stress: 60; soak: 2000)")
-    parser.add_argument("--models", type=names(tuple(MODELS)), default=list(MODELS))
-    parser.add_argument("--stages", type=ints, default=[0, 1, 2, 3])
-    parser.add_argument("--prefetch", type=ints, default=[0, 1, 2])
+    parser.add_argument("--models", type=names(tuple(MODELS)), default=list(MODELS), help="comma-separated")
+    parser.add_argument("--stages", type=ints, default=[0, 1, 2, 3], help="comma-separated ZeRO stages")
+    parser.add_argument("--prefetch", type=ints, default=[0, 1, 2], help="comma-separated prefetch depths")
     parser.add_argument("--compilers", type=names(fxshard.api.COMPILERS), default=list(fxshard.api.COMPILERS),
-                        help="the soak uses the first")
+                        help="comma-separated; the soak uses the first (default: eager)")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds before a stress run counts as hung")
     parser.add_argument("--log-dir", type=pathlib.Path, help="where the ranks' output goes (default: a new /tmp folder)")
     args = parser.parse_args(argv)

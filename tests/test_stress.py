@@ -1,0 +1,60 @@
+"""examples/stress.py's verdicts, on made-up rank exits (the real stress runs are a command, not a test)."""
+
+from examples.stress import RankExit, RunResult, StressConfig, parse_args, summary_rows
+
+STAGE3 = StressConfig("gpt", 3, 1, "eager")
+STAGE0 = StressConfig("llama", 0, 0, "inductor")
+# What a rank killed by glibc's heap check on a gloo worker thread leaves in its log (faulthandler's dump after it).
+GLOO_RACE_DEATH = [
+    "rank 1: step 10 loss 4.8795 rss 433.7 MiB 12.6 s",
+    "malloc(): unaligned tcache chunk detected",
+    "Fatal Python error: Aborted",
+    "",
+    "Thread 0x00007f6b925bab80 (most recent call first):",
+    '  File "examples/stress.py", line 224 in rank_main',
+]
+PEER_OF_A_DEATH = ["Traceback (most recent call last):", "RuntimeError: [pair.cc:537] Read error: Connection reset by peer"]
+
+
+def run(config, *ranks) -> RunResult:
+    return RunResult(0, config, 1.0, list(ranks))
+
+
+def test_a_rank_killed_by_a_signal_is_one_death_whatever_its_peer_did():
+    result = run(STAGE3, RankExit(0, 1, "r0.log", PEER_OF_A_DEATH), RankExit(1, -6, "r1.log", GLOO_RACE_DEATH))
+    assert result.outcome == "death"
+    dead = result.ranks[1]
+    assert (dead.signal_name, dead.fatal_message) == ("SIGABRT", "malloc(): unaligned tcache chunk detected")
+    assert dead.crashed_thread.startswith("a thread without Python frames")
+    assert dead.last_lines() == GLOO_RACE_DEATH[:2]  # the rank's own output, not faulthandler's dump
+    explained = result.explain()
+    assert "rank 1: killed by SIGABRT: malloc(): unaligned tcache chunk detected" in explained
+    assert "rank 1's last output lines" in explained and "rank 0's last output lines" not in explained
+
+
+def test_an_exception_or_a_hang_is_a_failure_and_a_clean_run_is_ok():
+    raised = run(STAGE0, RankExit(0, 1, "r0.log", ["ValueError: boom"]), RankExit(1, 1, "r1.log", PEER_OF_A_DEATH))
+    hung = run(STAGE0, RankExit(0, None, "r0.log", [], killed_because="hung"), RankExit(1, 0, "r1.log", []))
+    clean = run(STAGE0, RankExit(0, 0, "r0.log", ["rank 0: done"]), RankExit(1, 0, "r1.log", ["rank 1: done"]))
+    assert (raised.outcome, hung.outcome, clean.outcome) == ("failure", "failure", "ok")
+    assert "killed by this command (hung)" in hung.explain()
+
+
+def test_summary_has_a_row_per_configuration_run_and_the_total():
+    death = run(STAGE3, RankExit(0, 1, "r0.log", PEER_OF_A_DEATH), RankExit(1, -11, "r1.log", ["Segmentation fault"]))
+    ok = run(STAGE3, RankExit(0, 0, "r0.log", []), RankExit(1, 0, "r1.log", []))
+    failed = run(STAGE0, RankExit(0, 1, "r0.log", []), RankExit(1, 0, "r1.log", []))
+    unused = StressConfig("gpt", 1, 2, "eager")
+    assert summary_rows([death, ok, failed], [STAGE3, unused, STAGE0]) == [
+        ["gpt stage 3 prefetch 1 eager", 2, 1, 0],
+        ["llama stage 0 prefetch 0 inductor", 1, 0, 1],
+        ["total", 3, 1, 1],
+    ]
+
+
+def test_command_line():
+    args = parse_args(["--runs", "4", "--stages", "3", "--prefetch", "1,2", "--models", "llama"])
+    assert (args.runs, args.steps, args.stages, args.prefetch, args.models) == (4, 60, [3], [1, 2], ["llama"])
+    assert args.compilers == ["eager", "inductor"]
+    soak = parse_args(["--soak"])
+    assert (soak.soak, soak.steps, soak.compilers) == (True, 2000, ["eager"])
