@@ -22,6 +22,7 @@ from torch._dynamo.source import ConstantSource
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import checkpoint
 from .errors import FxShardError
 from .ops import cast_to, flat_padded
 from .passes.fx_utils import unit_of
@@ -87,6 +88,10 @@ def shard_optimizer_over(
     setattr(sharded, _SHARDED_STEP, step)
     sharded.register_step_pre_hook(step.settle_gradients)
     sharded.register_step_post_hook(step.publish_parameters)
+    # state_dict(): shards as DTensors of the parameters' full shapes; load_state_dict(): back to this rank's shards
+    sharded.register_state_dict_pre_hook(checkpoint.optimizer_state_dict_pre_hook)
+    sharded.register_state_dict_post_hook(checkpoint.optimizer_state_dict_post_hook)
+    sharded.register_load_state_dict_pre_hook(checkpoint.optimizer_load_state_dict_pre_hook)
     return sharded
 
 

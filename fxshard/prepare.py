@@ -25,6 +25,7 @@ import functools
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import FxShardError
@@ -102,42 +103,56 @@ def gather_full(shard: torch.Tensor, spec: ShardSpec, dtype: torch.dtype | None 
                    "reduce_scatter", dtype)
 
 
-def _full_value(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """What ``state_dict()`` holds for a parameter: its full shape in the dtype it trains in (the fp32 master under
-    mixed precision), without padding."""
+def _saved_value(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """What ``state_dict()`` holds for a parameter, in the dtype it trains in (the fp32 master under mixed
+    precision): the parameter itself where every rank holds it in full (stage 0; stage 1 without mixed precision),
+    else a DTensor of its full shape holding this rank's rows (``fxshard.checkpoint``: the layout DCP and FSDP2
+    reshard)."""
+    from . import checkpoint  # builds on this module
+
     full_copy = FULL_COPY_OF.get(param)
     if full_copy is not None and full_copy.dtype == param.dtype:  # stage 2's resident copy holds exactly this
-        return full_copy.detach()
+        return checkpoint.rows_of_full(full_copy, spec)
     if spec.trains_shard:
-        return gather_full(param, spec)
+        return checkpoint.sharded_value(param, spec)
     master = MASTER_OF.get(param)
     if master is not None and master.dtype != param.dtype:  # stage 1 computes in a lower precision than it trains
-        return gather_full(master, spec)
+        return checkpoint.sharded_value(master, spec)
     return param.detach()
 
 
-def _state_dict_full(module, state_dict, prefix, local_metadata):
-    # Gathering is a collective, so every rank must call state_dict() (as with FSDP's full state dict).
+def _state_dict_values(module, state_dict, prefix, local_metadata):
+    # Where a parameter's rows cross its shards' boundaries this gathers it: every rank calls state_dict(), as with
+    # FSDP2's sharded state dict.
     for name, spec in getattr(module, _SPECS).items():
         if prefix + name in state_dict:
-            state_dict[prefix + name] = _full_value(module._parameters[name], spec)
+            state_dict[prefix + name] = _saved_value(module._parameters[name], spec)
 
 
 def _load_state_dict_shard(module, state_dict, prefix, *args):
+    """Each value (a full tensor, or a DTensor of any layout) becomes what this rank keeps: its shard of the leaf
+    (stages 2, 3), the full parameter and its master shard (stage 1), the full parameter (stage 0)."""
+    from . import checkpoint  # builds on this module
+
     for name, spec in getattr(module, _SPECS).items():
         key = prefix + name
         if key not in state_dict:
             continue
-        value = state_dict[key]
+        value, param = state_dict[key], module._parameters[name]
         with torch.no_grad():
-            master = MASTER_OF.get(module._parameters[name])
+            if spec.trains_shard:
+                shard = checkpoint.shard_from_value(value, spec, param.dtype, key)
+                resident = module._buffers.get(_RESIDENT + name)
+                if resident is not None:  # a full tensor is copied as it is; a DTensor's rows are gathered
+                    full = value if not isinstance(value, DTensor) else gather_full(shard, spec, resident.dtype)
+                    resident.copy_(full)
+                state_dict[key] = shard
+                continue
+            full = checkpoint.full_from_value(value, spec, key)
+            master = MASTER_OF.get(param)
             if master is not None:  # stage 1: the master takes the full precision, the parameter a cast copy
-                master.copy_(shard_of(value, spec))
-            resident = module._buffers.get(_RESIDENT + name)
-            if resident is not None:
-                resident.copy_(value)
-        if spec.trains_shard:
-            state_dict[key] = shard_of(value, spec)
+                master.copy_(shard_of(full, spec))
+            state_dict[key] = full
 
 
 def _refuse_conversion(module: nn.Module, apply, fn, recurse: bool = True):
@@ -247,7 +262,7 @@ def shard_parameters(
         setattr(module, _PATH, path)
         if stage in (1, 2):
             module.__dict__["_apply"] = functools.partial(_refuse_conversion, module, module._apply)
-        module.register_state_dict_post_hook(_state_dict_full)
+        module.register_state_dict_post_hook(_state_dict_values)
         module.register_load_state_dict_pre_hook(_load_state_dict_shard)
         if stage == 1:  # no marker: the parameters stay the leaves, read directly
             continue

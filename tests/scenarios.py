@@ -16,6 +16,14 @@ PER_RANK_BATCH = 4
 LR = {"sgd": 0.05, "adamw": 1e-2}
 
 
+def full_state(model: torch.nn.Module) -> dict:
+    """``model.state_dict()`` with every DTensor (a prepared model's sharded parameters) gathered into its full
+    tensor: what the single-process reference's state_dict() holds. A collective: every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+
+
 def build_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "mlp":
@@ -86,7 +94,7 @@ def train_against_reference(
         "norms": norms,
         "reference_norms": reference_norms,
         "initial": initial,
-        "final": model.state_dict(),
+        "final": full_state(model),
         "expected": reference.state_dict(),
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
         "collectives": counter.totals(),
@@ -124,7 +132,7 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
     generator = torch.Generator().manual_seed(rank)
     saved_full, alive_full = set(), set()
     for _ in range(steps):
-        weights_before = {k: v for k, v in model.state_dict().items() if k.endswith("weight")}
+        weights_before = {k: v for k, v in full_state(model).items() if k.endswith("weight")}
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             loss = loss_of("gpt", run, gpt_batch(GPTConfig(), PER_RANK_BATCH, generator))
@@ -135,7 +143,7 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
         opt.zero_grad()
         del loss
         gc.collect()
-        weights_after = {k: v for k, v in model.state_dict().items() if k.endswith("weight")}
+        weights_after = {k: v for k, v in full_state(model).items() if k.endswith("weight")}
         ours = {id(t) for t in [*weights_before.values(), *weights_after.values()]}
         live = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and id(o) not in ours]
         alive_full.update(_full_weight_matches(live, weights_before) + _full_weight_matches(live, weights_after))
@@ -150,15 +158,16 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
 
 
 def state_dict_round_trip() -> dict:
-    """state_dict() of a prepared model is the full, unpadded model; load_state_dict() takes full tensors back."""
+    """state_dict() of a prepared model gathers to the full, unpadded model; load_state_dict() takes full tensors
+    back."""
     model = build_model("mlp_uneven")
     original = {k: v.clone() for k, v in model.state_dict().items()}
     backend = fxshard.backend(stage=3)
     backend.prepare(model)
-    gathered = model.state_dict()
+    gathered = full_state(model)
     replacement = {k: torch.full_like(v, float(i)) for i, (k, v) in enumerate(original.items())}
     model.load_state_dict(replacement)
-    return {"original": original, "gathered": gathered, "reloaded": model.state_dict(), "replacement": replacement,
+    return {"original": original, "gathered": gathered, "reloaded": full_state(model), "replacement": replacement,
             "shards": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -232,7 +241,7 @@ def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int 
         reference_opt.zero_grad()
     return {
         "initial": initial,
-        "final": model.state_dict(),
+        "final": full_state(model),
         "expected": reference.state_dict(),
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
         "collectives": counter.totals(),
@@ -269,7 +278,7 @@ def train_variants_against_reference(model_name: str, optimizer: str, variants: 
             loss_of(model_name, run, local).backward()
             opt.step()
             opt.zero_grad()
-        finals.append(sharded.state_dict())
+        finals.append(full_state(sharded))
         graphs.append({r.kind: [(c["kind"], c["unit"]) for c in collectives(r.final)]
                        for r in backend.graphs if r.kind in ("forward", "backward")})
     return {"initial": initial, "expected": reference.state_dict(), "finals": finals, "collectives": graphs}
@@ -317,7 +326,7 @@ def train_mixed_precision_against_reference(
         master_opt.step()
         master_opt.zero_grad()
     return {
-        "final": model.state_dict(),
+        "final": full_state(model),
         "expected": master.state_dict(),
         "loss_dtype": loss.dtype,
         "leaf_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
@@ -471,9 +480,9 @@ def resume_from_checkpoint(stage: int, steps_before: int = 2, steps_after: int =
     model, opt, run = prepared()
     data = batches()
     train(opt, run, data, steps_before)
-    model_state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())  # as torch.save would
+    model_state, opt_state = _saved_and_read_back(model.state_dict()), _saved_and_read_back(opt.state_dict())
     train(opt, run, data, steps_after)
-    uninterrupted = model.state_dict()
+    uninterrupted = full_state(model)
 
     resumed_model, resumed_opt, resumed_run = prepared()
     resumed_model.load_state_dict(model_state)
@@ -484,9 +493,20 @@ def resume_from_checkpoint(stage: int, steps_before: int = 2, steps_after: int =
     train(resumed_opt, resumed_run, data, steps_after)
     from fxshard.prepare import spec_of
 
-    return {"uninterrupted": uninterrupted, "resumed": resumed_model.state_dict(),
-            "saved_exp_avg_elements": sum(s["exp_avg"].numel() for s in opt_state["state"].values()),
-            "shard_elements": sum(spec_of(p).chunk for p in model.parameters())}
+    return {"uninterrupted": uninterrupted, "resumed": full_state(resumed_model),
+            "saved_exp_avg_elements": sum(s["exp_avg"].to_local().numel() for s in opt_state["state"].values()),
+            "full_elements": sum(spec_of(p).numel for p in model.parameters())}
+
+
+def _saved_and_read_back(state_dict: dict) -> dict:
+    """``state_dict`` through torch.save and torch.load, as a checkpoint on disk would be: nothing in it aliases the
+    live model any more."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
 
 
 def _trained_gpt(stage: int, steps: int):
