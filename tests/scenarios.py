@@ -547,20 +547,6 @@ def reload_full_optimizer_state(stage: int, path: str) -> dict:
     return {"regathered": backend.full_optimizer_state_dict(), "exp_avg_elements_held": held}
 
 
-def rank_one_dies(signal_name: str) -> int:
-    """Rank 1 prints a line and kills its own process with ``signal_name``, as a process dying under Python would;
-    the other ranks then wait for it in a barrier."""
-    import os
-    import signal
-
-    rank, _ = rank_and_world()
-    if rank == 1:
-        print("rank 1: last words before the signal", flush=True)
-        os.kill(os.getpid(), getattr(signal, signal_name))
-    torch.distributed.barrier()
-    return rank
-
-
 def compiled_model(model_name: str, stage: int, world: int = 2, **backend_options):
     """The backend after one forward and backward of a model (``"chain"`` or a ``build_model`` name) with AdamW,
     compiled under a fake process group of ``world`` ranks (single process: its graphs, not its numbers)."""
@@ -597,6 +583,7 @@ class _FaultyMLP(torch.nn.Module):
         self.calls += 1
         rank, call, fault = self.fault_at
         if (rank, call) == (rank_and_world()[0], self.calls) and fault == "sigkill_mid_forward":
+            print(f"rank {rank}: last words before SIGKILL", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
