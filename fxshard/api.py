@@ -256,7 +256,7 @@ class Backend:
     def _compile_graph(self, context, graph_id, inductor: _Inductor | None, kind, gm: fx.GraphModule, example_inputs):
         gm = self._run(context, graph_id, kind, gm)
         compiled = inductor.compile(kind, gm, example_inputs) if inductor else make_boxed_func(gm.forward)
-        return explaining_peer_failures(compiled, f"the {kind} graph", context.collective_timeout_s)
+        return explaining_peer_failures(compiled, f"the {kind} graph")
 
     # -- reporting ----------------------------------------------------------------------------------------------
     def report(self, format: str = "text", measured=None) -> str:

@@ -18,7 +18,9 @@ died, raised, or stopped calling the model) fails instead of hanging for gloo's 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import re
 
 import torch
@@ -81,27 +83,35 @@ def is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and bool(_PEER_FAILURE.search(str(error)))
 
 
-def peer_failure(error: RuntimeError, where: str, timeout_s: float) -> FxShardError:
+def peer_failure(error: RuntimeError, where: str) -> FxShardError:
     """The FxShardError a rank raises when one of fxshard's collectives failed for want of a peer."""
     first_line = str(error).strip().splitlines()[0]
     rank = dist.get_rank() if dist.is_initialized() else "?"
     return FxShardError(
         f"rank {rank}: a collective in {where} failed: {first_line}. Another rank died, raised an exception, or "
-        f"stopped running the same step: look for its own error. A rank waits {timeout_s:g} s for its peers (the "
-        "backend option collective_timeout_s); the process group cannot be used after this: end the process"
+        "stopped running the same step: look for its own error. A rank waits for its peers as long as the backend "
+        "option collective_timeout_s says; the process group cannot be used after this: end the process"
     )
 
 
-def explaining_peer_failures(compiled, where: str, timeout_s: float):
-    """``compiled`` (a boxed graph callable) whose collectives' peer failures raise ``peer_failure``."""
+@contextlib.contextmanager
+def peer_failures_explained(where: str):
+    """Inside it, a collective that fails for want of a peer raises ``peer_failure`` (other errors pass as they are)."""
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, FxShardError) or not is_peer_failure(error):
+            raise
+        raise peer_failure(error, where) from error
 
+
+def explaining_peer_failures(compiled, where: str):
+    """``compiled`` (a compiled graph, boxed or not) raising ``peer_failure`` where one of its collectives failed
+    for want of a peer."""
+
+    @functools.wraps(compiled)
     def run(*args):
-        try:
+        with peer_failures_explained(where):
             return compiled(*args)
-        except RuntimeError as error:
-            if isinstance(error, FxShardError) or not is_peer_failure(error):
-                raise
-            raise peer_failure(error, where, timeout_s) from error
 
-    run._boxed_call = getattr(compiled, "_boxed_call", False)
     return run

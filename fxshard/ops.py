@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from .groups import peer_failures_explained
+
 _c10d = torch.ops._c10d_functional
 
 GRAD_REDUCTIONS = ("reduce_scatter", "all_reduce", "none")
@@ -61,7 +63,8 @@ def unshard(
     if grad_reduction != "reduce_scatter":
         return cast_to(local, compute_dtype).clone()
     shard = cast_to(local, compute_dtype).contiguous()
-    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world_size, group_name))
+    with peer_failures_explained(f"the all-gather of {fqn}"):
+        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(shard, world_size, group_name))
     return gathered[: math.prod(full_shape)].view(full_shape).clone()
 
 
@@ -83,12 +86,13 @@ def reduce_grad(
     """Average a full-shape gradient over the ranks: this rank's flat shard of it, or all of it (or keep it local)."""
     grad = cast_to(full_grad, reduce_dtype)
     if grad_reduction == "none":
-        reduced = grad.contiguous().clone()
-    elif grad_reduction == "all_reduce":
-        reduced = _c10d.wait_tensor(_c10d.all_reduce(grad.contiguous(), "avg", group_name))
-    else:
-        flat = flat_padded(grad, world_size)
-        reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "avg", world_size, group_name))
+        return cast_to(grad.contiguous().clone(), grad_dtype)
+    with peer_failures_explained(f"the gradient reduction of {fqn}"):
+        if grad_reduction == "all_reduce":
+            reduced = _c10d.wait_tensor(_c10d.all_reduce(grad.contiguous(), "avg", group_name))
+        else:
+            flat = flat_padded(grad, world_size)
+            reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "avg", world_size, group_name))
     return cast_to(reduced, grad_dtype)
 
 

@@ -24,6 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import checkpoint
 from .errors import FxShardError
+from .groups import peer_failures_explained
 from .ops import cast_to, flat_padded
 from .passes.fx_utils import unit_of
 from .prepare import (
@@ -135,6 +136,7 @@ class ShardedStep:
 
     @torch._dynamo.disable  # eager even inside a compiled step: gradients are new tensors every step
     @torch.no_grad()
+    @peer_failures_explained("optimizer.step()")
     def settle_gradients(self, optimizer=None, args=None, kwargs=None) -> None:
         if self.stage == 0 and self.grad_sync.local_grads_pending:
             # Averaging is idempotent on gradients that were already reduced: a synced last micro-batch stays exact.
@@ -149,6 +151,7 @@ class ShardedStep:
 
     @torch._dynamo.disable  # a compiled step publishes inside its graph (shard_optimizer_pass); this is the eager path
     @torch.no_grad()
+    @peer_failures_explained("optimizer.step()")
     def publish_parameters(self, optimizer=None, args=None, kwargs=None) -> None:
         pending = [shard for shard in self.shards() if _PUBLISHED_AT_VERSION.get(shard) != shard._version]
         for bucket in self.buckets("all_gather", pending):
