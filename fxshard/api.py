@@ -17,6 +17,7 @@ from fxshard import passes as P
 from fxshard.passes import PassContext
 from fxshard.passes.context import COLLECTIVE_TIMEOUT_S, DDP_BUCKET_BYTES, KNOBS, default_bucket
 
+from .blocks import block_prefixes, describe_grouping, repeated_blocks
 from .budget import optimizer_bytes
 from .errors import FxShardError
 from .groups import explaining_peer_failures
@@ -29,6 +30,7 @@ from .prepare import grad_sync_of, shard_parameters, spec_of
 
 STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
+BUCKETS = ("layer", "block", "auto")
 
 
 def default_passes() -> list[Pass]:
@@ -51,8 +53,8 @@ def checked_knobs(knobs: dict) -> dict:
         raise FxShardError(f"unknown backend option(s) {unknown}; the options are stage, group, passes, compiler, "
                            f"{', '.join(KNOBS)} (see fxshard.passes.PassContext)")
     bucket = knobs.get("bucket", "layer")
-    if not (bucket in ("layer", "block") or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket > 0)):
-        raise FxShardError(f'bucket must be "layer", "block" or a positive byte cap, got {bucket!r}')
+    if not (bucket in BUCKETS or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket > 0)):
+        raise FxShardError(f'bucket must be "layer", "block", "auto" or a positive byte cap, got {bucket!r}')
     if bucket == "block" and not knobs.get("blocks"):
         raise FxShardError('bucket="block" needs blocks=[module names or module classes], e.g. blocks=[Block]')
     for name in ("prefetch", "max_inflight_gathers"):
@@ -187,8 +189,7 @@ class Backend:
             optimizer_bytes=0 if self.optimizer is None else optimizer_bytes(self.optimizer, self.model),
             **self.knobs,
         )
-        if context.blocks:  # passes see parameter names only: module classes become their instances' names
-            context = dataclasses.replace(context, blocks=P.block_prefixes(self.model, context.blocks))
+        context = dataclasses.replace(context, blocks=self._block_names())
         graph_id = next(self._graph_ids)
         published = annotate_optimizer_graph(gm, example_inputs)
         if gm.meta["fxshard_optimizer"]:  # a compiled optimizer.step: rewritten before AOT sees it
@@ -216,6 +217,13 @@ class Backend:
             return outputs
 
         return step_that_publishes
+
+    def _block_names(self) -> tuple[str, ...]:
+        """The ``blocks`` the passes see: module names (passes never see modules), found in the model for
+        ``bucket="auto"``, resolved from the user's names and classes for ``bucket="block"``."""
+        if self.knobs["bucket"] == "auto":
+            return repeated_blocks(self.model) if self.model is not None else ()
+        return block_prefixes(self.model, self.knobs["blocks"]) if self.knobs.get("blocks") else ()
 
     def _check_inputs(self, gm: fx.GraphModule, example_inputs) -> list:
         specs = []
@@ -268,10 +276,11 @@ class Backend:
         from . import budget
         from .report import collective_report, ledger_report
 
+        grouping = describe_grouping(self.knobs["bucket"], self._block_names())
         if self.model is None or self.optimizer is None or not any(r.kind == "backward" for r in self.graphs):
-            return collective_report(self.graphs)
+            return f"{grouping}\n{collective_report(self.graphs)}"
         return ledger_report(budget.ledger(self), format=format, measured=measured,
-                             title=f"fxshard stage {self.stage}")
+                             title=f"fxshard stage {self.stage}, {grouping}")
 
 
 class _Inductor:

@@ -4,7 +4,7 @@ A pass documents what it assumes about the graph and what it guarantees, records
 ``node.meta["fxshard"]``, keeps node names and order deterministic, and touches no global state.
 """
 
-from .bucket import block_prefixes, bucket_pass
+from .bucket import bucket_pass
 from .budget import budget_pass
 from .context import PassContext
 from .cost_model import CostModel, exposed_communication
@@ -14,6 +14,6 @@ from .prefetch import make_prefetch_pass, prefetch_pass
 from .recompute_gathers import recompute_gathers_pass
 from .shard_optimizer import shard_optimizer_pass
 
-__all__ = ["CostModel", "PassContext", "block_prefixes", "bucket_pass", "budget_pass", "exposed_communication",
+__all__ = ["CostModel", "PassContext", "bucket_pass", "budget_pass", "exposed_communication",
            "lower_collectives_pass", "make_prefetch_pass", "merge_tied_grads_pass", "prefetch_pass",
            "recompute_gathers_pass", "shard_optimizer_pass"]

@@ -6,9 +6,11 @@ nodes. Its unit is ``meta["fxshard"]["bucket"]`` when set, else the layer (the m
 pass sets that key, so bucketing is a naming decision here and a rewrite there:
 
 - ``bucket="layer"``: one collective per module that owns parameters (the layer's name);
-- ``bucket="block"``: one per entry of ``blocks`` (module names, classes resolved by the backend with
-  ``block_prefixes``), like FSDP2's per-block ``fully_shard``; a parameter under no block keeps its layer's unit, and
-  a parameter under nested blocks belongs to the innermost one;
+- ``bucket="block"``: one per entry of ``blocks`` (module names: the backend resolves the classes a user names,
+  ``fxshard.blocks.block_prefixes``), like FSDP2's per-block ``fully_shard``; a parameter under no block keeps its
+  layer's unit, and a parameter under nested blocks belongs to the innermost one;
+- ``bucket="auto"``: the same, over the blocks the backend found in the model (``fxshard.blocks.repeated_blocks``:
+  its repeated blocks and the model itself; none found, ``blocks`` is empty and every parameter keeps its layer);
 - ``bucket=<int>``: greedy in graph order over whole layers: consecutive layers share a bucket while its full
   buffer stays within the byte cap (a layer larger than the cap is a bucket of its own); buckets are named
   ``bucket0``, ``bucket1``... per graph and per collective kind (gathers and gradient reductions are numbered apart).
@@ -34,9 +36,9 @@ merge does to our metadata, so a torch release that keeps it is noticed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-from torch import fx, nn
+from torch import fx
 
 from fxshard.errors import FxShardError
 from fxshard.ops import REDUCE_GRAD, UNSHARD
@@ -46,38 +48,6 @@ from .context import PassContext
 from .fx_utils import ROOT_UNIT, marker_args, position, unit_of
 
 LOWERED_REDUCTIONS = ("all_reduce", "reduce_scatter")
-
-
-def block_prefixes(model: nn.Module | None, blocks: Iterable[str | type]) -> tuple[str, ...]:
-    """Module names for ``blocks``: names are checked against ``model``, classes become the names of their instances.
-
-    The backend calls this before building the ``PassContext`` (passes see parameter names only, never modules).
-    Raises FxShardError for a name that is no module of ``model``, a class with no instance in it, or a class when
-    there is no prepared model to look it up in.
-    """
-    blocks = tuple(blocks)
-    if model is None:
-        classes = [b.__name__ for b in blocks if isinstance(b, type)]
-        if classes:
-            raise FxShardError(f"blocks={classes} names module classes, which need the model: call "
-                               "backend.prepare(model) before torch.compile, or pass module names (\"blocks.0\")")
-        return blocks
-    modules = dict(model.named_modules())
-    prefixes: list[str] = []
-    for block in blocks:
-        if isinstance(block, type):
-            names = [name for name, module in modules.items() if isinstance(module, block)]
-            if not names:
-                raise FxShardError(f"blocks: no submodule of {type(model).__name__} is a {block.__name__}; "
-                                   "pass module classes the model uses, or module names")
-            prefixes.extend(names)
-        elif isinstance(block, str) and block in modules:
-            prefixes.append(block)
-        else:
-            known = ", ".join(list(n for n in modules if n)[:8])
-            raise FxShardError(f"blocks: {block!r} is no submodule of {type(model).__name__} (its modules: "
-                               f"{known}, ...); pass module names or classes")
-    return tuple(dict.fromkeys(prefixes))
 
 
 def _lowered(marker: fx.Node) -> bool:
@@ -116,9 +86,9 @@ def _greedy_by_bytes(markers: list[fx.Node], cap: int, world_size: int) -> dict[
 def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.graph not in ("forward", "backward", "inference"):
         return gm
-    if ctx.bucket == "block" and any(not isinstance(b, str) for b in ctx.blocks):
+    if any(not isinstance(b, str) for b in ctx.blocks):
         raise FxShardError("bucket_pass got module classes in blocks; the backend resolves them with "
-                           "fxshard.passes.bucket.block_prefixes(model, blocks): call backend.prepare(model) first")
+                           "fxshard.blocks.block_prefixes(model, blocks): call backend.prepare(model) first")
     order = position(gm.graph)
     markers = sorted(
         (m for target in (UNSHARD, REDUCE_GRAD) for m in gm.graph.find_nodes(op="call_function", target=target)
@@ -127,7 +97,7 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     )
     if ctx.bucket == "layer":
         decided = {m: unit_of(marker_args(m)["fqn"]) for m in markers}
-    elif ctx.bucket == "block":
+    elif ctx.bucket in ("block", "auto"):
         decided = {m: _block_of(marker_args(m)["fqn"], ctx.blocks) for m in markers}
     else:
         decided = {}

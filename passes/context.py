@@ -37,12 +37,13 @@ class PassContext:
     reshard_after_forward: stage 3 only: free gathered weights after forward and gather again in backward (True,
         ZeRO-3) or keep them from forward to backward (False: 2Ψ instead of 3Ψ per step, more memory).
     bucket: how collectives are grouped: ``"layer"`` (one per module that owns parameters), ``"block"`` (one per
-        entry of ``blocks``), or an int byte cap (greedy, in graph order). The backend's default depends on the
-        stage: stage 0 packs its all-reduces into ``DDP_BUCKET_BYTES`` (DDP's 25 MiB ``bucket_cap_mb``), the
+        entry of ``blocks``), ``"auto"`` (one per repeated block the backend finds in the model, and one for the
+        rest: ``fxshard.blocks``), or an int byte cap (greedy, in graph order). The backend's default depends on
+        the stage: stage 0 packs its all-reduces into ``DDP_BUCKET_BYTES`` (DDP's 25 MiB ``bucket_cap_mb``), the
         sharded stages communicate per ``"layer"``.
     blocks: for ``bucket="block"``: module names (``"blocks.0"``) or module classes whose parameters share one
         collective, like FSDP2's per-block ``fully_shard``; the model itself (its class, or ``""``) takes what no
-        inner block holds.
+        inner block holds. With ``bucket="auto"`` the backend sets it (passes always see module names).
     prefetch: how many units ahead an all-gather is issued (0: each gather right before its unit's compute).
     max_inflight_gathers: the most gathered buffers alive at once under prefetch.
     schedule: a researcher's ordering function ``schedule(gm, ctx) -> gm`` run in place of the prefetch pass.

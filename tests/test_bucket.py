@@ -8,7 +8,9 @@ from torch import nn
 
 import fxshard
 from examples.models import GPT, Block
-from fxshard.passes import block_prefixes
+from expecttest import assert_expected_inline
+
+from fxshard.blocks import block_prefixes, repeated_blocks
 from fxshard.report import collectives
 from fxshard.testing import fake_process_group
 
@@ -83,6 +85,86 @@ def test_the_model_itself_as_a_block_holds_what_no_inner_block_does():
     assert units(graphs["forward"], "all_gather") == ["root", "blocks.0", "blocks.1"]
     root = next(r for r in graphs["forward"] if r["unit"] == "root")
     assert set(root["params"]) == {"tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight"}
+
+
+class _Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class _MixtureLayer(nn.Module):
+    """A block that holds repeated blocks of its own: its experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Linear(8, 8)
+        self.experts = nn.ModuleList([_Expert(), _Expert()])
+
+    def forward(self, x):
+        return self.mix(x) + sum(expert(x) for expert in self.experts)
+
+
+class _NestedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.layers = nn.ModuleList([_MixtureLayer(), _MixtureLayer()])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def auto_grouping(model, *inputs) -> str:
+    """The report's grouping line and each forward all-gather of ``model`` compiled with ``bucket="auto"`` (fake
+    world of 2, stage 3): ``unit: parameters``."""
+    torch._dynamo.reset()
+    with fake_process_group(2):
+        backend = fxshard.backend(stage=3, bucket="auto", prefetch=0)
+        model, _ = backend.prepare(model)
+        torch.compile(model, backend=backend, fullgraph=True)(*inputs).sum().backward()
+        forward = next(r for r in backend.graphs if r.kind == "forward").final
+        rows = [f"{r['unit']}: {' '.join(r['params'])}" for r in collectives(forward) if r["kind"] == "all_gather"]
+        return "\n".join([backend.report().splitlines()[0], *rows])
+
+
+def test_auto_finds_repeated_blocks_at_any_depth_and_gives_the_rest_to_the_model_itself():
+    torch.manual_seed(0)
+    assert repeated_blocks(GPT()) == ("blocks.0", "blocks.1", "")
+    assert repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))) == ("0", "2", "")
+    assert repeated_blocks(nn.Linear(2, 2)) == ()
+    idx = torch.randint(0, 64, (2, 16))
+    assert_expected_inline(auto_grouping(GPT(), idx, idx), """\
+grouping: bucket="auto", 2 blocks (blocks.0, blocks.1) + the model itself (unit root)
+root: tok_emb.weight pos_emb.weight ln_f.weight ln_f.bias lm_head.weight
+blocks.0: blocks.0.ln1.weight blocks.0.ln1.bias blocks.0.attn.qkv.weight blocks.0.attn.qkv.bias blocks.0.attn.proj.weight blocks.0.attn.proj.bias blocks.0.ln2.weight blocks.0.ln2.bias blocks.0.fc.weight blocks.0.fc.bias blocks.0.out.weight blocks.0.out.bias
+blocks.1: blocks.1.ln1.weight blocks.1.ln1.bias blocks.1.attn.qkv.weight blocks.1.attn.qkv.bias blocks.1.attn.proj.weight blocks.1.attn.proj.bias blocks.1.ln2.weight blocks.1.ln2.bias blocks.1.fc.weight blocks.1.fc.bias blocks.1.out.weight blocks.1.out.bias""")
+    assert_expected_inline(auto_grouping(_NestedModel(), torch.randn(3, 4)), """\
+grouping: bucket="auto", 6 blocks (layers.0, layers.1, ..., layers.1.experts.1) + the model itself (unit root)
+root: embed.weight embed.bias head.weight head.bias
+layers.0: layers.0.mix.weight layers.0.mix.bias
+layers.0.experts.0: layers.0.experts.0.up.weight layers.0.experts.0.up.bias layers.0.experts.0.down.weight layers.0.experts.0.down.bias
+layers.0.experts.1: layers.0.experts.1.up.weight layers.0.experts.1.up.bias layers.0.experts.1.down.weight layers.0.experts.1.down.bias
+layers.1: layers.1.mix.weight layers.1.mix.bias
+layers.1.experts.0: layers.1.experts.0.up.weight layers.1.experts.0.up.bias layers.1.experts.0.down.weight layers.1.experts.0.down.bias
+layers.1.experts.1: layers.1.experts.1.up.weight layers.1.experts.1.up.bias layers.1.experts.1.down.weight layers.1.experts.1.down.bias""")
+
+
+def test_auto_groups_a_model_without_repeated_blocks_per_layer():
+    from examples.models import MLP
+
+    assert repeated_blocks(MLP()) == ()
+    assert_expected_inline(auto_grouping(MLP(), torch.randn(3, 8)), """\
+grouping: bucket="auto", one collective per layer (no repeated blocks found)
+fc1: fc1.weight fc1.bias
+fc2: fc2.weight fc2.bias""")
 
 
 def test_byte_cap_packs_consecutive_layers_greedily(layer_graphs, capped_backend):
