@@ -6,12 +6,14 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import weakref
 from collections.abc import Sequence
 
 import torch
 from torch import fx, nn
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fxshard import passes as P
 from fxshard.passes import PassContext
@@ -19,6 +21,7 @@ from fxshard.passes.context import COLLECTIVE_TIMEOUT_S, DDP_BUCKET_BYTES, KNOBS
 
 from .blocks import block_prefixes, describe_grouping, repeated_blocks
 from .budget import optimizer_bytes
+from .consistency import check_same_schedule, prepare_check_group
 from .errors import FxShardError
 from .groups import explaining_peer_failures
 from .pipeline import GraphRecord, Pass, run_passes
@@ -31,6 +34,23 @@ from .prepare import grad_sync_of, shard_parameters, spec_of
 STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
 BUCKETS = ("layer", "block", "auto")
+
+# Every tensor a backend's prepare laid out (trainable leaves, the optimizer's shards) -> that backend, weakly;
+# the prepared model keeps its backend alive (an attribute), so the entry lives as long as the model does.
+PREPARED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_BACKEND = "_fxshard_backend"  # model attribute: a _KeepAlive of the Backend that prepared it
+
+
+class _KeepAlive:
+    """Holds a prepared model's Backend for as long as the model lives. A copy of the model shares it rather than
+    copying the backend (its graphs, optimizer and process group): the copy's parameters are new tensors that no
+    backend prepared, so it cannot be compiled anyway."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 def default_passes() -> list[Pass]:
@@ -125,6 +145,7 @@ class Backend:
         """Shard ``model``'s parameters over the group in place; returns ``(model, optimizer over the shards)``."""
         if not isinstance(model, nn.Module):
             raise FxShardError(f"prepare takes an nn.Module, got {type(model).__name__}")
+        _refuse_meta_tensors(model)
         leaves, grad_sync = shard_parameters(model, self.stage, self.group, self.knobs.get("param_dtype"),
                                              self.knobs.get("reduce_dtype"),
                                              self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
@@ -132,6 +153,13 @@ class Backend:
         step_bucket_bytes = self.knobs.get("step_bucket_bytes", DDP_BUCKET_BYTES)
         self.optimizer = (None if optimizer is None
                           else shard_optimizer_over(optimizer, leaves, grad_sync, step_bucket_bytes))
+        laid_out = [*leaves.values(), *(t for g in getattr(self.optimizer, "param_groups", []) for t in g["params"])]
+        for tensor in laid_out:
+            PREPARED_BY[tensor] = weakref.ref(self)
+        model.__dict__[_BACKEND] = _KeepAlive(self)
+        # every rank prepares at the same point: the consistency check's group is made here, not at a compile
+        prepare_check_group(next((spec_of(t).group_name for t in laid_out if spec_of(t) is not None), ""),
+                            self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
         return model, self.optimizer
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -195,7 +223,14 @@ class Backend:
         if gm.meta["fxshard_optimizer"]:  # a compiled optimizer.step: rewritten before AOT sees it
             gm = self._run(context, graph_id, "optimizer", gm)
         inductor = _Inductor(gm, example_inputs) if self.compiler == "inductor" else None
-        compile_graph = functools.partial(self._compile_graph, context, graph_id, inductor)
+
+        def compile_graph(kind: str, graph: fx.GraphModule, inputs):
+            compiled_graph = self._compile_graph(context, graph_id, inductor, kind, graph, inputs)
+            # Before the graph first runs, every rank must have compiled the same collectives (fxshard.consistency).
+            final = next(r.final for r in reversed(self.graphs) if r.graph_id == graph_id and r.kind == kind)
+            check_same_schedule(final, kind, graph_id, context.group_name)
+            return compiled_graph
+
         compiled = aot_module_simplified(
             gm,
             example_inputs,
@@ -240,16 +275,18 @@ class Backend:
                     "call `model, opt = backend.prepare(model, opt)` before torch.compile, and do not add or "
                     "replace parameters after prepare"
                 )
-            if spec.stage != self.stage:
-                raise FxShardError(
-                    f"{spec.name} was prepared for stage {spec.stage} but is compiled with a stage-{self.stage} "
-                    "backend; prepare and compile with the same backend"
-                )
             specs.append(spec)
-        groups = {(s.group_name, s.world_size) for s in specs}
-        if len(groups) > 1:
-            raise FxShardError(f"one compiled graph reads shards of several process groups {sorted(groups)}; "
-                               "prepare the whole model with one backend")
+        # One backend prepares and compiles: its stage, group and knobs are the ones the shards were laid out for,
+        # and its graphs and report() are the model's. (A compiled optimizer step reads its shards as attributes.)
+        for tensor in _prepared_tensors(gm, example_inputs):
+            preparer = prepared_by(tensor)
+            if preparer is not self:
+                raise FxShardError(
+                    f"{spec_of(tensor).name} was prepared by {_describe(preparer)} but is compiled with "
+                    f"{_describe(self)}; compile with the backend that prepared the model "
+                    '(torch.compile(model, backend=backend), or backend="fxshard", which finds it): another backend '
+                    "would compile it with its own settings and leave the preparing backend's graphs and report() empty"
+                )
         return specs
 
     def _run(self, context: PassContext, graph_id: int, kind: str, gm: fx.GraphModule) -> fx.GraphModule:
@@ -323,6 +360,69 @@ def backend(stage: int = 3, **options) -> Backend:
     return Backend(stage, **options)
 
 
+def _refuse_meta_tensors(model: nn.Module) -> None:
+    """A parameter or buffer on the meta device has no values to broadcast or shard: refuse it at prepare, not
+    deep inside Dynamo at the first compile."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if tensor.is_meta:
+                raise FxShardError(
+                    f"{kind} {name} (shape {list(tensor.shape)}) is on the meta device: it has no values to "
+                    "broadcast and shard. Materialise the model before backend.prepare: "
+                    "model.to_empty(device=...) then initialise it (reset_parameters(), your init function, or "
+                    "load_state_dict)"
+                )
+
+
+def _prepared_tensors(gm: fx.GraphModule, example_inputs) -> list[torch.Tensor]:
+    """The tensors a Dynamo graph reads that a backend's prepare laid out: parameter inputs, and the shards a compiled
+    optimizer step reads as attributes of the graph."""
+    candidates = [*(v for v in example_inputs if isinstance(v, nn.Parameter)), *gm.parameters()]
+    return [t for t in candidates if spec_of(t) is not None]
+
+
+def prepared_by(tensor: torch.Tensor) -> Backend | None:
+    """The Backend whose ``prepare`` laid ``tensor`` out, if it is one of its leaves or optimizer shards."""
+    ref = PREPARED_BY.get(tensor)
+    return None if ref is None else ref()
+
+
+def _describe(backend: Backend | None) -> str:
+    if backend is None:
+        return "another fxshard backend"
+    defaults = {f.name: f.default for f in dataclasses.fields(PassContext)}
+    changed = [f"{k}={v!r}" for k, v in backend.knobs.items() if k != "bucket" and v != defaults.get(k)]
+    options = ", ".join([f"stage={backend.stage}", *([f"compiler={backend.compiler!r}"]
+                                                     if backend.compiler != "eager" else []), *changed])
+    return f"fxshard.backend({options}) at {id(backend):#x}"
+
+
+def _option_values(backend: Backend) -> dict:
+    """Every option of ``backend`` by its ``fxshard.backend`` keyword (knobs it was not given: their defaults)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(PassContext) if f.name in KNOBS}
+    return {"stage": backend.stage, "group": backend.group, "passes": backend.passes, "compiler": backend.compiler,
+            **defaults, **backend.knobs}
+
+
 def dynamo_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
-    """The registered ``torch.compile(model, backend="fxshard", options={...})`` entry point."""
-    return Backend(**(options or {}))(gm, example_inputs)
+    """The registered ``torch.compile(model, backend="fxshard", options={...})`` entry point.
+
+    A graph of a prepared model is compiled by the Backend that prepared it (the same graphs and ``report()`` as
+    ``backend=backend``); ``options`` may repeat its settings but not contradict them. A graph that reads nothing a
+    backend prepared gets a new ``Backend(**options)`` (which refuses a model that was never prepared)."""
+    options = dict(options or {})
+    preparer = next((b for t in _prepared_tensors(gm, example_inputs) if (b := prepared_by(t)) is not None), None)
+    if preparer is None:
+        return Backend(**options)(gm, example_inputs)
+    wanted = _option_values(Backend(**options))  # validates the options
+    have = _option_values(preparer)
+    differing = [name for name in options if wanted[name] != have[name] and not (
+        name == "group" and wanted[name] is None)]
+    if differing:
+        raise FxShardError(
+            f'torch.compile(backend="fxshard", options=...) compiles with the backend that prepared the model, '
+            f"{_describe(preparer)}, but the options contradict it: "
+            + ", ".join(f"{name}={wanted[name]!r} (prepared with {have[name]!r})" for name in differing)
+            + "; drop these options or prepare with them"
+        )
+    return preparer(gm, example_inputs)

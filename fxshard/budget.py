@@ -35,7 +35,7 @@ import torch
 from torch import fx
 
 from .errors import FxShardError
-from .passes.fx_utils import COLLECTIVE_ROLES
+from .passes.fx_utils import COLLECTIVE_ROLES, size_hint
 
 N = sympy.Symbol("N", positive=True, integer=True)
 PSI = sympy.Symbol("Ψ", positive=True)
@@ -240,7 +240,7 @@ def parameters_of_joint(joint: fx.GraphModule, names: dict[tuple, str] | None = 
             idx = getattr(grad_of, "idx", None)
             if idx is not None and idx in placeholders:
                 value = placeholders[idx].meta["val"]
-                found[idx] = _Param(f"input{idx}", int(value.numel()), "plain")
+                found[idx] = _Param(f"input{idx}", size_hint(value.numel()), "plain")
     if names:
         for param in found.values():
             param.name = names.get(tuple(param.sites) or (param.name,), param.name)
@@ -323,13 +323,13 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[lis
             "reduce_scatter": [N * sympy.Add(*map(shard, counts))],
             "all_reduce": [sympy.Add(*counts)],
         }[kind]
-        elements = sizes.matching(int(buffer.numel()), candidates)
+        elements = sizes.matching(size_hint(buffer.numel()), candidates)
         width = _width(buffer, B_PARAM if kind == "all_gather" else B_GRAD, sizes.values)
         unit = meta.get("unit", "")
         terms.append(Term("comm", kind, elements, width, f"{graph}: {node.name}", calls=1, unit=unit))
         schedule.append({"graph": graph, "position": index, "collective": kind, "unit": unit,
                          "params": [p.name for p in params], "node": node.name,
-                         "bytes": int(buffer.numel()) * buffer.element_size()})
+                         "bytes": size_hint(buffer.numel()) * buffer.element_size()})
     return terms, schedule
 
 
@@ -396,7 +396,7 @@ def _held_as(node, aliases, value, sizes: _Sizes, grads, saved) -> tuple[str, sy
     """(item, elements, width) of a storage a graph holds, named by what its views are."""
     meta = _meta(node)
     grad_views = [a for a in aliases if a in grads]
-    if grad_views and sizes_at(sympy.Add(*(grads[a] for a in grad_views)), sizes.values) == value.numel():
+    if grad_views and sizes_at(sympy.Add(*(grads[a] for a in grad_views)), sizes.values) == size_hint(value.numel()):
         return "gradients", sympy.Add(*(grads[a] for a in grad_views)), _width(value, B_GRAD, sizes.values)
     if meta.get("role") == "all_gather":
         return "gathered", _gathered_expr(node, sizes), _width(value, B_PARAM, sizes.values)
@@ -427,17 +427,17 @@ def _reduce_buffer_expr(node: fx.Node, sizes: _Sizes) -> sympy.Expr:
     padded = [N * sympy.Add(*map(shard, counts))] + [N * shard(c) for c in counts]
     whole = [sympy.Add(*counts)] + counts
     all_reduce = any(_meta(u).get("role") == "all_reduce" for u in _users_through_views(node))
-    return sizes.matching(int(node.meta["val"].numel()), whole + padded if all_reduce else padded + whole)
+    return sizes.matching(size_hint(node.meta["val"].numel()), whole + padded if all_reduce else padded + whole)
 
 
 def _gathered_expr(wait: fx.Node, sizes: _Sizes) -> sympy.Expr:
     params = sizes.of_sites(_meta(wait).get("params", []))
-    return sizes.matching(int(wait.meta["val"].numel()), [N * sympy.Add(*(shard(p.count) for p in params))])
+    return sizes.matching(size_hint(wait.meta["val"].numel()), [N * sympy.Add(*(shard(p.count) for p in params))])
 
 
 def _column_expr(clone: fx.Node, sizes: _Sizes) -> sympy.Expr:
     params = sizes.of_sites(_meta(clone).get("params", []))
-    numel = int(clone.meta["val"].numel())
+    numel = size_hint(clone.meta["val"].numel())
     piece = clone.args[0]
     if isinstance(piece, fx.Node) and piece.target is operator.getitem and piece.args[1] < len(params):
         params = [params[piece.args[1]]] + params
@@ -474,7 +474,7 @@ def gradient_terms(backward: fx.GraphModule, params: dict[int, _Param], sizes: _
         if idx not in params or not isinstance(value, fx.Node):
             continue
         param, tensor = params[idx], value.meta["val"]
-        elements = sizes.matching(int(tensor.numel()), [param.count, shard(param.count)])
+        elements = sizes.matching(size_hint(tensor.numel()), [param.count, shard(param.count)])
         terms.append(Term("memory", "gradients", elements, _width(tensor, B_GRAD, sizes.values), f"backward: {value.name}"))
         produced[value] = elements
     return terms
@@ -680,8 +680,8 @@ def graph_ledger(gm: fx.GraphModule, graph: str, world_size: int, optimizer_byte
     peak_terms = [t for t in held if t.item != "peak point"]
     inputs = [p for p in gm.graph.find_nodes(op="placeholder")
               if _input_index(p) is not None and hasattr(p.meta.get("val"), "element_size")]
-    input_bytes = sum(int(p.meta["val"].numel()) * p.meta["val"].element_size() for p in inputs)
-    terms = [("input", p.name, int(p.meta["val"].numel()) * p.meta["val"].element_size()) for p in inputs]
+    terms = [("input", p.name, size_hint(p.meta["val"].numel()) * p.meta["val"].element_size()) for p in inputs]
+    input_bytes = sum(nbytes for _, _, nbytes in terms)
     terms += [(t.item, t.source.split(": ", 1)[1], sizes_at(t.bytes, sizes.values)) for t in peak_terms]
     peak = sum(b for item, _, b in terms if item != "input")
     if optimizer_bytes:

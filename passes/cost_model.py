@@ -28,20 +28,12 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from .fx_utils import COLLECTIVE_ROLES
-
-def _hint(value) -> int:
-    """A concrete int for a (possibly symbolic) size: dynamic batch sizes are SymInts with a hint."""
-    if isinstance(value, torch.SymInt):
-        hint = value.node.hint
-        return int(hint) if hint is not None else 1
-    return int(value)
-
+from .fx_utils import COLLECTIVE_ROLES, size_hint
 
 def tensor_bytes(value) -> int:
     """Bytes of every tensor in ``value`` (a tensor, or a nested list / tuple of them)."""
     leaves, _ = tree_flatten(value)
-    return sum(_hint(t.numel()) * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    return sum(size_hint(t.numel()) * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 def _values(arg):
@@ -58,7 +50,7 @@ def node_flops(node: fx.Node) -> int:
     args = torch.utils._pytree.tree_map(_values, node.args)
     kwargs = torch.utils._pytree.tree_map(_values, node.kwargs)
     try:
-        return _hint(formula(*args, out_val=node.meta["val"], **kwargs))
+        return size_hint(formula(*args, out_val=node.meta["val"], **kwargs))
     except Exception:  # a formula that rejects these arguments (shapes it does not expect): count no FLOPs
         return 0
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 
@@ -16,6 +18,17 @@ def unit_of(fqn: str) -> str:
     """The module that uses a parameter: ``"blocks.0.attn.qkv.weight"`` -> ``"blocks.0.attn.qkv"``; a parameter of
     the model itself (``"scale"``) belongs to the unit ``"root"``."""
     return fqn.rpartition(".")[0] or ROOT_UNIT
+
+
+def size_hint(value: int | torch.SymInt) -> int:
+    """A size as a plain int: its value in the example the graph was traced with, where it is symbolic (dynamic
+    shapes). Read without a guard: ``int()``, ``bool()`` or a comparison on a ``torch.SymInt`` while the backend
+    compiles adds a guard that pins the size, and Dynamo recompiles the graph for every new batch size or sequence
+    length. Good for estimates (bytes, costs); a decision that must hold for every size has to come from the
+    expression (``value.node.expr``) instead."""
+    if isinstance(value, torch.SymInt):
+        return int(optimization_hint(value))
+    return int(value)
 
 
 def marker_args(node: fx.Node) -> dict:

@@ -144,8 +144,10 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
         del loss
         gc.collect()
         weights_after = {k: v for k, v in full_state(model).items() if k.endswith("weight")}
-        ours = {id(t) for t in [*weights_before.values(), *weights_after.values()]}
-        live = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter) and id(o) not in ours]
+        # full_tensor() returns a view of the gathered tensor: the test's own copies are their storages
+        ours = {t.untyped_storage().data_ptr() for t in [*weights_before.values(), *weights_after.values()]}
+        live = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)
+                and o.untyped_storage().data_ptr() not in ours]
         alive_full.update(_full_weight_matches(live, weights_before) + _full_weight_matches(live, weights_after))
     state_shapes = {tuple(v.shape) for s in opt.state.values() for v in s.values() if v.dim() > 0}
     return {

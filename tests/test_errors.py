@@ -29,7 +29,7 @@ def test_unknown_compiler():
 
 @pytest.mark.parametrize("options, message", [
     ({"prefech": 2}, r"unknown backend option\(s\) \['prefech'\]; the options are .*prefetch"),
-    ({"bucket": "model"}, 'bucket must be "layer", "block" or a positive byte cap'),
+    ({"bucket": "model"}, 'bucket must be "layer", "block", "auto" or a positive byte cap, got .model.'),
     ({"bucket": "block"}, 'bucket="block" needs blocks='),
     ({"prefetch": -1}, "prefetch must be an int >= 0"),
     ({"max_inflight_gathers": 0}, "max_inflight_gathers must be an int >= 1"),
@@ -115,3 +115,34 @@ def test_converting_a_model_after_prepare(fake_world, stage):
         model.fc1.to(torch.float16)  # a submodule too
     assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before anything changed
     assert model.to(torch.float32) is model  # a conversion that changes nothing goes through
+
+
+def test_parameters_on_the_meta_device_are_refused_at_prepare():
+    with torch.device("meta"):
+        model = MLP()
+    with pytest.raises(fxshard.FxShardError, match=r"parameter fc1.weight \(shape \[16, 8\]\) is on the meta device"
+                                                   r".*model.to_empty\(device=...\) then initialise it"):
+        fxshard.backend(stage=3).prepare(model)
+
+
+def test_compiling_with_another_backend_than_the_one_that_prepared(fake_world):
+    preparer, other = fxshard.backend(stage=3), fxshard.backend(stage=3, prefetch=0)
+    model, _ = preparer.prepare(MLP())
+    compiled = torch.compile(model, backend=other, fullgraph=True)
+    with pytest.raises(fxshard.FxShardError, match=rf"fc1.weight was prepared by fxshard.backend\(stage=3\) at "
+                                                   rf"{id(preparer):#x} but is compiled with fxshard.backend\(stage=3, "
+                                                   rf"prefetch=0\) at {id(other):#x}"):
+        compiled(torch.randn(4, 8))
+    assert other.graphs == [] and preparer.graphs == []
+
+
+def test_the_registered_backend_compiles_with_the_backend_that_prepared(fake_world):
+    backend = fxshard.backend(stage=3)
+    model, _ = backend.prepare(MLP())
+    with pytest.raises(fxshard.FxShardError, match=r"the options contradict it: stage=2 \(prepared with 3\)"):
+        torch.compile(model, backend="fxshard", options={"stage": 2}, fullgraph=True)(torch.randn(4, 8))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxshard", options={"stage": 3}, fullgraph=True)
+    compiled(torch.randn(4, 8)).sum().backward()
+    assert [r.kind for r in backend.graphs] == ["joint", "forward", "backward"]
+    assert "all_gather" in backend.report() and "reduce_scatter" in backend.report()

@@ -1,0 +1,38 @@
+"""Rank functions of the compile-time consistency check (module level, so that WorkerPool ranks import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxshard
+from fxshard.testing import rank_and_world
+
+
+class BranchingMLP(nn.Module):
+    """fc1 -> extra (only where ``takes_extra``) -> fc2: a forward whose path a rank-dependent flag decides."""
+
+    def __init__(self, takes_extra: bool):
+        super().__init__()
+        self.fc1, self.extra, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 5)
+        self.takes_extra = takes_extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.relu(self.fc1(x))
+        if self.takes_extra:
+            hidden = F.relu(self.extra(hidden))
+        return self.fc2(hidden)
+
+
+def compile_a_forward_that_branches_on_the_rank() -> str:
+    """Rank 1's forward takes the extra layer, rank 0's does not; returns the error each rank's compile raised."""
+    rank, _ = rank_and_world()
+    torch.manual_seed(0)
+    backend = fxshard.backend(stage=3)
+    model, _ = backend.prepare(BranchingMLP(takes_extra=rank == 1))
+    try:
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))
+    except fxshard.FxShardError as error:
+        return str(error)
+    return "compiled and ran without an error"

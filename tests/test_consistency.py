@@ -1,0 +1,32 @@
+"""Ranks that compiled different collective schedules fail at compile time with FxShardError on every rank,
+naming the first collective that differs, instead of deadlocking or exchanging the wrong tensors."""
+
+import consistency_scenarios
+import scenarios
+from fxshard.consistency import ScheduledCollective, collective_schedule, first_difference
+
+
+def test_a_forward_that_branches_on_the_rank_fails_to_compile_on_every_rank(pools):
+    errors = pools(2).run(consistency_scenarios.compile_a_forward_that_branches_on_the_rank)
+    for rank, error in enumerate(errors):
+        assert error.startswith(f"rank {rank}: the ranks compiled different collective schedules for their "
+                                "forward graph 0"), error
+        assert ("collective #1 differs (rank 0: all_gather of unit 'fc2' (fc2.weight, fc2.bias), 43 float32 "
+                "elements; rank 1: all_gather of unit 'extra' (extra.weight, extra.bias), 136 float32 elements); "
+                "collectives per rank: rank 0: 2, rank 1: 3") in error, error
+
+
+def test_the_schedule_is_the_lowered_graphs_collectives_in_issue_order():
+    backend = scenarios.compiled_model("mlp", stage=3)  # fake group: nothing is compared, the graphs are real
+    backward = next(r.final for r in backend.graphs if r.kind == "backward")
+    assert [(c.kind, c.unit, c.params, c.numel) for c in collective_schedule(backward)] == [
+        ("all_gather", "fc2", ("fc2.weight",), "40"),  # stage 3 gathers the weight (not the bias) again
+        ("reduce_scatter", "fc2", ("fc2.bias", "fc2.weight"), "86"),
+        ("reduce_scatter", "fc1", ("fc1.bias", "fc1.weight"), "144"),
+    ]
+
+
+def test_ranks_compiling_different_kinds_of_graph_are_named():
+    gather = ScheduledCollective("all_gather", "fc1", ("fc1.weight",), "float32", "64", "g")
+    assert first_difference(["forward", "backward"], [[gather], [gather]], [0, 1]) == (
+        "they compiled different graphs at the same time: rank 0 a forward graph, rank 1 a backward graph")
