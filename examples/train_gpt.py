@@ -1,9 +1,16 @@
 """Train the small GPT on 2 gloo ranks with ZeRO-3 through torch.compile, and print what the compiler did.
 
     python examples/train_gpt.py [--steps 20] [--world-size 2] [--stage 3]
+    python examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 10 [--resume]
 
 Each rank trains on its own slice of every global batch of a character-level corpus; parameters, gradients and
-AdamW state live as flat shards. Rank 0 prints the loss per step, then the rewritten graphs' collectives.
+AdamW state live as flat shards. Rank 0 prints the loss per step (9 significant digits: the exact float32 value),
+then the rewritten graphs' collectives.
+
+With ``--checkpoint-dir DIR`` every ``--checkpoint-every`` steps go to ``DIR/step_<N>`` (``fxshard.checkpoint.save``:
+each rank writes its shards; the directory appears only once complete). ``--resume`` continues from the newest
+complete checkpoint there, at any world size and stage; at the same ones it continues exactly as the run that
+wrote it did, also after that run was killed in the middle of a later save.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import fxshard  # noqa: E402
+import fxshard.checkpoint  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
 
 CORPUS = (
@@ -51,13 +59,21 @@ def train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> No
 
     backend = fxshard.backend(stage=args.stage)
     model, optimizer = backend.prepare(model, optimizer)
-    step = torch.compile(model, backend=backend, fullgraph=True)
+    step = model if args.eager else torch.compile(model, backend=backend, fullgraph=True)
 
-    data = batches(config, args.batch_size, rank, world_size, torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(1)
+    data = batches(config, args.batch_size, rank, world_size, generator)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"training GPT ({sum(p.numel() for p in GPT(config).parameters()):,} parameters) on {world_size} gloo "
-        f"ranks, ZeRO stage {args.stage}")
-    for i in range(args.steps):
+        f"ranks, ZeRO stage {args.stage}", flush=True)
+    first_step = 0
+    newest = fxshard.checkpoint.latest(args.checkpoint_dir) if args.resume and args.checkpoint_dir else None
+    if newest is not None:
+        extra = fxshard.checkpoint.load(model, optimizer, newest)
+        first_step = extra["step"]
+        generator.set_state(extra["data"])  # the next batch is the one the saved run drew next
+        say(f"resumed from {newest} at step {first_step}", flush=True)
+    for i in range(first_step, args.steps):
         start = time.perf_counter()
         loss = step(*next(data))
         loss.backward()
@@ -65,7 +81,10 @@ def train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> No
         optimizer.zero_grad()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
-        say(f"step {i:3d}  loss {mean_loss.item():.4f}  {1000 * (time.perf_counter() - start):7.1f} ms")
+        say(f"step {i:3d}  loss {mean_loss.item():.9g}  {1000 * (time.perf_counter() - start):7.1f} ms", flush=True)
+        if args.checkpoint_dir and (i + 1) % args.checkpoint_every == 0:
+            fxshard.checkpoint.save(model, optimizer, args.checkpoint_dir / f"step_{i + 1:06d}",
+                                    extra_state={"step": i + 1, "data": generator.get_state()})
     say("\nrewritten graphs (rank 0):")
     say(backend.report())
     dist.destroy_process_group()
@@ -77,6 +96,10 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--eager", action="store_true", help="run the prepared model without torch.compile")
+    parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save checkpoints into DIR/step_<N>")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     spawn_ranks(train, parser.parse_args())
 
 

@@ -313,7 +313,7 @@ def _gathered(value, to_first_rank_only: bool):
     padded[: local.shape[0]] = local
     pieces = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))] if _first_rank(group) else None
     dist.gather(padded, pieces, group_dst=0, group=group)
-    return torch.cat(pieces)[:rows] if pieces is not None else None
+    return torch.cat(pieces)[:rows].cpu() if pieces is not None else None
 
 
 def _consolidated(state_dict: dict, options: StateDictOptions, group) -> dict:
