@@ -11,6 +11,7 @@ from tabulate import tabulate
 
 from . import budget
 from .errors import FxShardError
+from .formula import SumNames
 from .passes.fx_utils import COLLECTIVE_ROLES
 
 FORMATS = ("text", "json")
@@ -60,27 +61,30 @@ def _per_step(measured) -> dict[str, int] | None:
     return {kind: totals.get(kind, {}).get("bytes", 0) for kind in COLLECTIVE_ROLES}
 
 
-def ledger_rows(ledger: budget.Ledger, measured=None) -> list[dict]:
-    """The ledger as rows: what, the closed form (N divides every parameter), bytes at this run, measured bytes."""
+def ledger_rows(ledger: budget.Ledger, measured=None, sums: SumNames | None = None) -> list[dict]:
+    """The ledger as rows: what, the closed form (N divides every parameter: ``expression`` per parameter,
+    ``readable`` with the sums named by ``sums``), bytes at this run, measured bytes."""
     per_step = _per_step(measured)
+    sums = sums or SumNames(list(ledger.params))
     rows = []
 
     def add(section, what, expr, measured_value=None):
         closed = ledger.closed_form(expr)
         rows.append({"section": section, "what": what, "expression": str(sympy.factor(closed) if "ring" in what
                                                                           else closed),
+                     "readable": str(sums.readable(closed)),
                      "exact": str(sympy.sympify(expr)) if len(str(expr)) < 200 else "(see terms)",
                      "bytes": ledger.at(expr), "measured": measured_value})
 
     memory_items = list(dict.fromkeys(t.item for t in ledger.select("memory")))
     for item in memory_items:
-        add("memory per rank", item, sympy.Add(*(t.bytes for t in ledger.select("memory", item))))
-    add("memory per rank", "resident total", ledger.resident())
-    add("memory per rank", "mixed-precision accounting", ledger.mixed_precision())
-    add("memory per rank", f"peak ({ledger.peak_at()})", ledger.peak())
+        add("memory", item, sympy.Add(*(t.bytes for t in ledger.select("memory", item))))
+    add("memory", "resident total", ledger.resident())
+    add("memory", "mixed-precision accounting", ledger.mixed_precision())
+    add("memory", f"peak ({ledger.peak_at()})", ledger.peak())
     saved = ledger.select("saved")
     if saved:
-        add("memory per rank", "saved activations", sympy.Add(*(t.bytes for t in saved)))
+        add("memory", "saved activations", sympy.Add(*(t.bytes for t in saved)))
     for kind in COLLECTIVE_ROLES:
         if ledger.calls(kind):
             value = None if per_step is None else per_step[kind]
@@ -95,18 +99,22 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
     collective schedule in graph order."""
     if format not in FORMATS:
         raise FxShardError(f"format must be one of {FORMATS}, got {format!r}")
-    rows = ledger_rows(ledger, measured)
+    sums = SumNames(list(ledger.params))
+    rows = ledger_rows(ledger, measured, sums)
     sizes = {str(k): v for k, v in ledger.values.items() if not str(k).startswith("ψ[")}
     if format == "json":
         return json.dumps({"title": title, "sizes": sizes, "parameters": {n: ledger.values[s] for n, s in
                                                                           ledger.params.items()},
+                           "sums": dict(zip(map(str, sums.definitions.values()), map(sorted, sums.definitions))),
                            "ledger": rows, "schedule": ledger.schedule}, indent=2, default=str)
-    header = title or "fxshard ledger"
-    parts = [f"{header}  (N={ledger.values[budget.N]}, Ψ={ledger.at(budget.PSI)}, widths "
-             + ", ".join(f"{w}={ledger.values[w]}" for w in budget.WIDTHS) + ")"]
-    parts.append(tabulate([(r["section"], r["what"], r["expression"], r["bytes"],
+    parts = [title or "fxshard ledger",
+             f"N={ledger.values[budget.N]}, Ψ={ledger.at(budget.PSI)}, widths "
+             + ", ".join(f"{w}={ledger.values[w]}" for w in budget.WIDTHS)]
+    parts.append(tabulate([(r["section"], r["what"], r["readable"], r["bytes"],
                             "" if r["measured"] is None else int(r["measured"])) for r in rows],
                           headers=["", "what", "closed form (N divides every parameter)", "bytes here", "measured"]))
+    parts.append("ψ[x]: the elements of parameter x, or of all the parameters of module x; Ψ: of the whole model")
+    parts.extend(sums.legend())
     if ledger.schedule:
         parts.append("\ncollective schedule (graph order)")
         parts.append(tabulate([(s["graph"], s["collective"], s["unit"], ", ".join(s["params"]), s["bytes"])

@@ -1,0 +1,84 @@
+"""Readable closed forms: sums of parameter counts named (modules, numbered sums with a legend), every formula of
+the example GPT's report within 120 characters and equal to the per-parameter form it stands for."""
+
+import json
+
+import pytest
+import sympy
+import torch
+
+import fxshard
+from examples.models import GPT, GPTConfig
+from fxshard import budget
+from fxshard.formula import SumNames, describe, module_sums
+from fxshard.report import ledger_rows
+from fxshard.testing import fake_process_group
+
+GPT_NAMES = [
+    "tok_emb.weight", "pos_emb.weight",
+    *(f"blocks.{i}.{part}" for i in range(2) for part in (
+        "ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias",
+        "ln2.weight", "ln2.bias", "fc.weight", "fc.bias", "out.weight", "out.bias")),
+    "ln_f.weight", "ln_f.bias",
+]
+FORMULA_WIDTH = 120
+
+
+@pytest.mark.parametrize("chosen, described", [
+    ([n for n in GPT_NAMES if n.endswith(".bias") and "ln" not in n],
+     "blocks.*.{attn.qkv,attn.proj,fc,out}.bias"),  # every block: factored
+    ([n for n in GPT_NAMES if n.startswith("blocks.0.") and "ln2" not in n and "out" not in n],
+     "blocks.0.{ln1,attn,fc}"),  # whole modules by their name
+    (["blocks.1.fc.bias", "ln_f.weight", "ln_f.bias"], "blocks.1.fc.bias, ln_f"),  # one block only: not factored
+])
+def test_describe_names_modules_and_factors_repeated_blocks(chosen, described):
+    assert describe(chosen, GPT_NAMES) == described
+
+
+def test_a_group_that_is_one_module_is_named_by_it_and_needs_no_legend():
+    sums = SumNames(GPT_NAMES)
+    ln2 = [budget.psi(n) for n in ("blocks.0.ln2.weight", "blocks.0.ln2.bias")]
+    biases = [budget.psi(n) for n in GPT_NAMES if n.endswith(".bias") and "ln" not in n]
+    form = sums.readable(budget.N * sympy.Add(*ln2) - 2 * sympy.Add(*biases))
+    assert str(form) == "N*ψ[blocks.0.ln2] - 2*ψ₁"
+    assert sums.legend() == ["ψ₁ = Σ ψ over blocks.*.{attn.qkv,attn.proj,fc,out}.bias (8 parameters)"]
+
+
+@pytest.fixture(scope="module")
+def gpt_ledger():
+    """The example GPT (train_gpt.py's configuration) at stage 3 with AdamW, one step under a fake group."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with fake_process_group(2):
+        backend = fxshard.backend(stage=3)
+        model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, d_model=64))
+        model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
+        tokens = torch.randint(0, 128, (8, 33))
+        torch.compile(model, backend=backend)(tokens[:, :-1], tokens[:, 1:]).backward()
+        return backend, budget.ledger(backend)
+
+
+def test_every_formula_of_the_gpt_report_fits_and_is_exact(gpt_ledger):
+    backend, ledger = gpt_ledger
+    names = list(ledger.params)
+    sums = SumNames(names)
+    rows = ledger_rows(ledger, sums=sums)
+    assert max(len(r["readable"]) for r in rows) <= FORMULA_WIDTH, [r["readable"] for r in rows]
+    assert max(len(r["expression"]) for r in rows) > 2 * FORMULA_WIDTH  # what the per-parameter form would print
+    for expr in [ledger.peak(), ledger.resident(), *(ledger.communicated(k, moved=m) for k in ("all_gather",
+                 "reduce_scatter") for m in (False, True))]:
+        closed = ledger.closed_form(expr)
+        named = sums.readable(closed)
+        assert sympy.expand(module_sums(named.subs(sums.substitutions()), names) - closed) == 0, named
+    report = backend.report()
+    legend = [line for line in report.splitlines() if line.startswith("ψ")]
+    assert legend and all(len(line) <= FORMULA_WIDTH for line in legend), legend
+    assert all(len(line) <= FORMULA_WIDTH for line in report.splitlines()[:2])  # the title and the sizes
+
+
+def test_json_keeps_the_per_parameter_form_and_the_sums(gpt_ledger):
+    backend, _ = gpt_ledger
+    data = json.loads(backend.report(format="json"))
+    peak = next(r for r in data["ledger"] if r["what"].startswith("peak"))
+    assert "ψ[blocks.0.attn.proj.bias]" in peak["expression"] and "ψ₁" in peak["readable"]
+    assert "blocks.0.attn.proj.bias" in data["sums"]["ψ₁"]
