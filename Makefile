@@ -10,7 +10,7 @@ install:
 	$(PYTHON) -m pip install -q -e ".[test]"
 
 demo: install
-	$(PYTHON) examples/train_gpt.py
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py
 
 test: install
 	$(PYTHON) -m pytest -q

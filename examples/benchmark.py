@@ -48,6 +48,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import fxshard  # noqa: E402
+from examples.launch import refuse_torchrun  # noqa: E402
 from examples.models import GPT, Block, GPTConfig  # noqa: E402
 from examples.train_gpt import batches  # noqa: E402
 from fxshard.passes import PassContext  # noqa: E402
@@ -423,6 +424,7 @@ def row(name: str, real: list[dict], no_comm: list[dict] | None, ddp_median: flo
 
 
 def main() -> int:
+    refuse_torchrun("examples/benchmark.py")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="timed steps per configuration (default 40)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")

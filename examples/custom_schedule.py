@@ -1,6 +1,7 @@
 """A custom communication schedule: issue every all-gather at the start of the graph.
 
-    python examples/custom_schedule.py [--steps 5] [--world-size 2]
+    torchrun --standalone --nproc-per-node 2 examples/custom_schedule.py [--steps 5]
+    python examples/custom_schedule.py [--steps 5] [--world-size 2]   # spawns its own ranks
 
 fxshard's default ``prefetch_pass`` issues each all-gather a bounded number of units ahead. A researcher who wants
 another policy passes ``schedule=`` to the backend: a function ``schedule(gm, ctx) -> gm`` that runs in place of the
@@ -26,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import fxshard  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
-from examples.train_gpt import spawn_ranks  # noqa: E402
+from examples.launch import run_ranks  # noqa: E402
 from fxshard.passes import PassContext  # noqa: E402
 from fxshard.passes.prefetch import reorder  # noqa: E402
 
@@ -49,9 +50,8 @@ def gathers_first(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return reorder(gm, front + rest)  # reorder() lints: a node before its inputs would fail here
 
 
-def train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)  # ranks share this machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def train(args: argparse.Namespace) -> None:
+    rank = dist.get_rank()
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, d_model=64)
     model = GPT(config)
@@ -73,14 +73,14 @@ def train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> No
     first_wait = roles.index("wait")
     say(f"forward graph: {roles.count('all_gather')} all-gathers, all issued before the first wait "
         f"(node {first_wait}): {'all_gather' not in roles[first_wait:]}")
-    dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=2)
-    spawn_ranks(train, parser.parse_args())
+    args = parser.parse_args()
+    run_ranks(train, args, args.world_size)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python examples/gloo_race.py                  # default gloo group (2 worker threads): a rank usually dies
     python examples/gloo_race.py --threads 1      # a gloo group with one worker thread: runs to the end
+    torchrun --standalone --nproc-per-node 2 examples/gloo_race.py [--threads 1]
 
 Two ranks on this machine keep ``--in-flight`` functional all-gathers outstanding at once, ``--iters`` times. With
 gloo's two worker threads, two all-gathers finish together and both threads assign the group's
@@ -15,12 +16,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
+import pathlib
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from examples.launch import run_ranks  # noqa: E402  (no fxshard: it only starts the ranks)
 
 
 def gloo_group(threads: int) -> dist.ProcessGroup:
@@ -37,9 +42,8 @@ def gloo_group(threads: int) -> dist.ProcessGroup:
     return dist.new_group(backend="gloo_threads", timeout=datetime.timedelta(seconds=60))
 
 
-def race(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def race(args: argparse.Namespace) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD if args.threads is None else gloo_group(args.threads)
     c10d = torch.ops._c10d_functional
     shards = [torch.randn(args.size) for _ in range(args.in_flight)]
@@ -62,12 +66,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20000)
     parser.add_argument("--in-flight", type=int, default=4, help="all-gathers outstanding at once")
     parser.add_argument("--size", type=int, default=64, help="elements per shard")
-    args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ["LIBC_FATAL_STDERR_"] = "1"
-    mp.spawn(race, args=(2, port, args), nprocs=2)
+    os.environ["LIBC_FATAL_STDERR_"] = "1"  # glibc's abort message to the rank's stderr (spawned ranks)
+    run_ranks(race, parser.parse_args(), 2)
 
 
 if __name__ == "__main__":

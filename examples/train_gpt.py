@@ -1,6 +1,7 @@
 """Train the small GPT on 2 gloo ranks with ZeRO-3 through torch.compile, and print what the compiler did.
 
-    python examples/train_gpt.py [--steps 20] [--world-size 2] [--stage 3]
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--stage 3]
+    python examples/train_gpt.py [--steps 20] [--world-size 2] [--stage 3]   # spawns its own ranks
     python examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 10 [--resume]
 
 Each rank trains on its own slice of every global batch of a character-level corpus; parameters, gradients and
@@ -16,20 +17,18 @@ wrote it did, also after that run was killed in the middle of a later save.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
-import socket
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import fxshard  # noqa: E402
 import fxshard.checkpoint  # noqa: E402
+from examples.launch import run_ranks  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
 
 CORPUS = (
@@ -49,9 +48,8 @@ def batches(config: GPTConfig, per_rank: int, rank: int, world_size: int, genera
         yield windows[:, :-1], windows[:, 1:]
 
 
-def train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)  # ranks share this machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def train(args: argparse.Namespace) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model on every rank
     config = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, d_model=64)
     model = GPT(config)
@@ -87,7 +85,6 @@ def train(rank: int, world_size: int, port: int, args: argparse.Namespace) -> No
                                     extra_state={"step": i + 1, "data": generator.get_state()})
     say("\nrewritten graphs (rank 0):")
     say(backend.report())
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -100,16 +97,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save checkpoints into DIR/step_<N>")
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    spawn_ranks(train, parser.parse_args())
-
-
-def spawn_ranks(train, args) -> None:
-    """Run ``train(rank, world_size, port, args)`` on ``args.world_size`` processes of this machine, one thread each."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(train, args=(args.world_size, port, args), nprocs=args.world_size)
+    args = parser.parse_args()
+    run_ranks(train, args, args.world_size)
 
 
 if __name__ == "__main__":

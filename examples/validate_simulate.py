@@ -1,6 +1,7 @@
 """How close is fxshard.simulate? Calibrate on one configuration, predict the others, compare with measured steps.
 
-    python examples/validate_simulate.py [--steps 10] [--calibrate-on "stage 3, prefetch 1"]
+    torchrun --standalone --nproc-per-node 2 examples/validate_simulate.py [--steps 10]
+    python examples/validate_simulate.py [--steps 10] [--calibrate-on "stage 3, prefetch 1"]   # spawns its ranks
 
 Two gloo ranks on this machine train the GPT of examples/models.py (its default config, AdamW) under each
 configuration below, all compiled first (two untimed steps each). ``fxshard.simulate.calibrate`` runs once, on
@@ -25,7 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import fxshard  # noqa: E402
 from examples.models import GPT, GPTConfig, gpt_batch  # noqa: E402
-from examples.train_gpt import spawn_ranks  # noqa: E402
+from examples.launch import run_ranks  # noqa: E402
 from fxshard.simulate import calibrate  # noqa: E402
 
 CONFIGURATIONS = {
@@ -72,9 +73,8 @@ def median_step_seconds(steps: dict, rounds: int) -> dict:
     return dict(zip(steps, (medians / dist.get_world_size()).tolist()))
 
 
-def validate(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)  # ranks share this machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def validate(args: argparse.Namespace) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     names = [args.calibrate_on] + [name for name in CONFIGURATIONS if name != args.calibrate_on]
     backends, steps = {}, {}
     for name in names:
@@ -102,7 +102,6 @@ def validate(rank: int, world_size: int, port: int, args: argparse.Namespace) ->
             label = name + (" (calibrated)" if name == args.calibrate_on else "")
             print(f"| {label} | {1e3 * measured[name]:.1f} ms | {1e3 * t.step_time:.1f} ms | {parts} ms | "
                   f"{t.step_time / measured[name]:.2f} |")
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -111,7 +110,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--calibrate-on", choices=list(CONFIGURATIONS), default="stage 3, prefetch 1")
     parser.add_argument("--world-size", type=int, default=2)
-    spawn_ranks(validate, parser.parse_args())
+    args = parser.parse_args()
+    run_ranks(validate, args, args.world_size)
 
 
 if __name__ == "__main__":

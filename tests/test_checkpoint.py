@@ -94,8 +94,10 @@ def test_a_stage_3_save_gathers_one_parameter_at_a_time(pools, tmp_path):
         assert result["peak"] - result["local"] < 8 * result["largest_parameter"], result
 
 
-def _train_gpt(directory: pathlib.Path, *flags: str, script: pathlib.Path = ROOT / "examples" / "train_gpt.py"):
-    command = [sys.executable, str(script), "--eager", "--steps", "4", "--checkpoint-every", "1",
+def _train_gpt(directory: pathlib.Path, *flags: str, script: pathlib.Path = ROOT / "examples" / "train_gpt.py",
+               torchrun: bool = False):
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else []
+    command = [sys.executable, *launcher, str(script), "--eager", "--steps", "4", "--checkpoint-every", "1",
                "--checkpoint-dir", str(directory), *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -106,7 +108,8 @@ def _losses(stdout: str) -> dict[int, str]:
 
 
 def test_train_gpt_resumes_bit_exactly_after_a_kill_in_the_middle_of_a_save(tmp_path):
-    whole = _train_gpt(tmp_path / "whole")
+    # the uninterrupted run under torchrun (env://), the others spawning their own ranks: the same numbers either way
+    whole = _train_gpt(tmp_path / "whole", torchrun=True)
     assert whole.returncode == 0, whole.stderr
     killed = _train_gpt(tmp_path / "killed", script=pathlib.Path(__file__).with_name("kill_during_save.py"))
     assert killed.returncode != 0, killed.stdout
