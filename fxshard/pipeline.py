@@ -11,6 +11,8 @@ from torch import fx
 
 from fxshard.passes import PassContext
 
+from .trace import trace_pass
+
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 
@@ -44,9 +46,14 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], record: GraphRecord) -> fx.GraphModule:
-    for pass_fn in passes:
+    """Run ``passes`` over ``gm`` in order, recording each pass's graphs in ``record`` and in torch's logs
+    (``fxshard.trace``)."""
+    trace_pass(record.kind, record.graph_id, 0, "input", gm)
+    for index, pass_fn in enumerate(passes, start=1):
+        name = getattr(pass_fn, "__name__", repr(pass_fn))
         before = _copy(gm)
         gm = pass_fn(gm, ctx)
-        record.passes.append(PassRecord(getattr(pass_fn, "__name__", repr(pass_fn)), before, _copy(gm)))
+        record.passes.append(PassRecord(name, before, _copy(gm)))
+        trace_pass(record.kind, record.graph_id, index, name, gm)
     record.final = gm
     return gm
