@@ -26,6 +26,7 @@ sharding); :meth:`Ledger.closed_form` assumes N divides every parameter and writ
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 from collections.abc import Iterable
@@ -362,6 +363,9 @@ def live_peak(gm: fx.GraphModule, graph: str, sizes: _Sizes, grads: dict[fx.Node
         if node.op == "placeholder":
             last_use[node] = len(nodes)
     saved = _saved_outputs(gm)
+    aliases: dict[fx.Node, list[fx.Node]] = collections.defaultdict(list)
+    for node in nodes:
+        aliases[roots[node]].append(node)
     held: dict[fx.Node, tuple[str, sympy.Expr, sympy.Expr]] = {}
     for node in nodes:
         value = node.meta.get("val")
@@ -369,15 +373,27 @@ def live_peak(gm: fx.GraphModule, graph: str, sizes: _Sizes, grads: dict[fx.Node
             continue
         if node.op == "placeholder" and _input_index(node) is not None:
             continue  # a parameter or the batch
-        aliases = [n for n in nodes if roots[n] is node]
-        held[node] = _held_as(node, aliases, value, sizes, grads, saved)
+        held[node] = _held_as(node, aliases[node], value, sizes, grads, saved)
+    # One sweep: each held tensor enters at the node that makes it and leaves at its last use (bytes evaluated once).
     born = {node: index for index, node in enumerate(nodes)}
-    best, best_bytes, where = [], -1, ""
+    ends = {h: last_use.get(h, born[h] + 1) for h in held}
+    nbytes = {h: sizes_at(held[h][1] * held[h][2], sizes.values) for h in held}
+    entering, leaving = collections.defaultdict(list), collections.defaultdict(list)
+    for h in held:
+        if born[h] < ends[h]:
+            entering[born[h]].append(h)
+            leaving[ends[h]].append(h)
+    alive: dict[fx.Node, None] = {}
+    best, best_bytes, where, total = [], -1, "", 0
     for index, node in enumerate(nodes):
-        alive = [h for h in held if born[h] <= index < last_use.get(h, born[h] + 1)]
-        total = sum(sizes_at(held[h][1] * held[h][2], sizes.values) for h in alive)
+        for h in leaving[index]:
+            del alive[h]
+            total -= nbytes[h]
+        for h in entering[index]:
+            alive[h] = None
+            total += nbytes[h]
         if total > best_bytes:
-            best, best_bytes, where = alive, total, f"{graph}: {node.name}"
+            best, best_bytes, where = sorted(alive, key=born.__getitem__), total, f"{graph}: {node.name}"
     terms = [Term("peak", held[h][0], held[h][1], held[h][2], f"{graph}: {h.name}", unit=_meta(h).get("unit", ""))
              for h in best]
     return terms + [Term("peak", "peak point", sympy.Integer(0), sympy.Integer(0), where)]
