@@ -2,7 +2,7 @@
 
     python examples/benchmark.py [--steps 40] [--warmup 3] [--configs ddp,fsdp2,fxshard-3-prefetch,...]
                                  [--world-size 2] [--compiler eager|inductor] [--skip-exposed]
-                                 [--out benchmark-results.txt]
+                                 [--out benchmark-results.txt] [--trace DIR]
 
 Every configuration trains the same GPT (examples/models.py, ~3.7M parameters) from the same initial weights on the
 same batches, on ``--world-size`` gloo ranks of this machine with one thread per rank. Each configuration runs in a
@@ -49,6 +49,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import fxshard  # noqa: E402
 from examples.launch import refuse_torchrun  # noqa: E402
+from fxshard.simulate import calibrate  # noqa: E402
 from examples.models import GPT, Block, GPTConfig  # noqa: E402
 from examples.train_gpt import batches  # noqa: E402
 from fxshard.passes import PassContext  # noqa: E402
@@ -270,14 +271,15 @@ class LocalReduceScatter(ReduceScatter):
 
 # -- the configurations --------------------------------------------------------------------------------------------
 def build(config: Config, args: argparse.Namespace, no_comm: bool):
-    """(model, optimizer, the callable a step runs) for ``config``, from the same initial weights on every rank."""
+    """(model, optimizer, the callable a step runs, fxshard's backend or None) for ``config``, from the same initial
+    weights on every rank."""
     torch.manual_seed(0)
     model = GPT(MODEL)
     if config.kind == "ddp":
         model = DistributedDataParallel(model)
         if no_comm:
             model.register_comm_hook(None, noop_hook)  # torch's own "no all-reduce" hook
-        return model, torch.optim.AdamW(model.parameters(), lr=LR), model
+        return model, torch.optim.AdamW(model.parameters(), lr=LR), model, None
     if config.kind == "fsdp2":
         for block in model.blocks:
             fully_shard(block)
@@ -289,21 +291,21 @@ def build(config: Config, args: argparse.Namespace, no_comm: bool):
                     module.set_custom_reduce_scatter(LocalReduceScatter())
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         backend = "aot_eager" if args.compiler == "eager" else "inductor"
-        return model, optimizer, torch.compile(model, backend=backend) if config.compiled else model
+        return model, optimizer, torch.compile(model, backend=backend) if config.compiled else model, None
     if no_comm:
         use_local_functional_collectives()
     if config.on_users_gloo_group:  # this process runs this configuration alone
         fxshard.prepare.collective_group = lambda group, timeout_s: group
     backend = fxshard.backend(config.stage, compiler=args.compiler, **config.options)
     model, optimizer = backend.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
-    return model, optimizer, torch.compile(model, backend=backend, fullgraph=True)
+    return model, optimizer, torch.compile(model, backend=backend, fullgraph=True), backend
 
 
 def worker(rank: int, world: int, port: int, name: str, no_comm: bool, args, out_dir: str) -> None:
     torch.set_num_threads(1)  # the ranks share this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     config = BY_NAME[name]
-    model, optimizer, run = build(config, args, no_comm)
+    model, optimizer, run, backend = build(config, args, no_comm)
     data = batches(MODEL, args.batch_size, rank, world, torch.Generator().manual_seed(1))
 
     def train_step(inputs, targets):
@@ -330,6 +332,8 @@ def worker(rank: int, world: int, port: int, name: str, no_comm: bool, args, out
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
         train_step(inputs, targets)
     asked, ran = count_collectives(prof)
+    if args.trace and not no_comm:
+        write_traces(name, prof, backend, lambda: train_step(*next(data)), world, pathlib.Path(args.trace))
     if no_comm and ran:
         raise RuntimeError(f"{name}: the run without communication still sent {ran} through gloo")
     result = {
@@ -348,6 +352,20 @@ def worker(rank: int, world: int, port: int, name: str, no_comm: bool, args, out
     # No process-group teardown: ProcessGroupGloo's destructor joins gloo's threads while it holds the GIL, and a
     # gloo thread waiting for the GIL then hangs it forever (seen after the profiled step).
     os._exit(0)
+
+
+def write_traces(name: str, prof, backend, step, world: int, directory: pathlib.Path) -> None:
+    """Rank 0's profiled step as ``<name>-measured.json`` (torch.profiler's Chrome trace) and, for fxshard, the
+    simulated step of the same graphs as ``<name>-simulated.json``, on a machine calibrated on this configuration
+    (``calibrate``: a collective, it trains a few more steps). Open both in Perfetto."""
+    rank = dist.get_rank()
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(directory / f"{name}-measured.json"))
+    if backend is not None:
+        machine = calibrate(backend=backend, step=step, steps=5, repeats=5)
+        if rank == 0:
+            backend.trace(directory / f"{name}-simulated.json", world=world, machine=machine)
 
 
 def launch(name: str, no_comm: bool, args, out_dir: str) -> list[dict]:
@@ -436,6 +454,8 @@ def main() -> int:
                         help="fxshard's compiler; FSDP2+compile uses aot_eager with eager, inductor with inductor")
     parser.add_argument("--skip-exposed", action="store_true",
                         help="skip the runs without communication (halves the time; exposed comm shows n/a)")
+    parser.add_argument("--trace", metavar="DIR", help="write each configuration's profiled step as a Chrome trace "
+                        "(DIR/<config>-measured.json) and, for fxshard, its simulated step (<config>-simulated.json)")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "benchmark-results.txt"))
     args = parser.parse_args()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]

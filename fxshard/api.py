@@ -320,6 +320,21 @@ class Backend:
                              title=f"fxshard stage {self.stage}, {grouping}")
 
 
+    def trace(self, path, world: int | None = None, machine=None):
+        """Write the simulated step (``fxshard.simulate``) of the graphs compiled so far as a Chrome trace-event
+        JSON to ``path``, to open in Perfetto: a compute and a communication lane, an event per node, each with its
+        unit (``fxshard.chrome_trace``). ``world``: the ranks to predict for (default: the process group's);
+        ``machine``: a ``fxshard.simulate.Machine`` (e.g. from ``calibrate``). Returns the ``Timeline``."""
+        import torch.distributed as dist
+
+        from .chrome_trace import write_chrome_trace
+        from .simulate import simulate
+
+        timeline = simulate(self, world or dist.get_world_size(self.group), machine=machine)
+        write_chrome_trace(timeline, path)
+        return timeline
+
+
 class _Inductor:
     """Compiles the graphs AOT derives from one Dynamo graph with Inductor, as ``torch.compile(backend="inductor")``
     would compile them.

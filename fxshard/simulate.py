@@ -71,6 +71,7 @@ class Event:
     stream: str  # "compute" or "comm"
     start: float
     end: float
+    unit: str = ""  # the unit a collective moves, or the module a compute node belongs to, where known
 
 
 @dataclasses.dataclass
@@ -111,6 +112,16 @@ def _role(node: fx.Node) -> str | None:
     return node.meta.get("fxshard", {}).get("role")
 
 
+def _unit(node: fx.Node) -> str:
+    """The fxshard unit of a node the passes made, else the innermost module Dynamo traced it in."""
+    unit = node.meta.get("fxshard", {}).get("unit")
+    if unit:
+        return unit
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    path = next(reversed(stack.values()), ("",))[0] if stack else ""
+    return path.removeprefix("L['self'].").replace("._modules['", ".").replace("']", "")
+
+
 def _full_bytes(node: fx.Node, kind: str) -> float:
     if kind == "all_gather":
         return tensor_bytes(node.meta.get("val"))  # the gathered output
@@ -138,13 +149,13 @@ def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, 
             seconds = collective_seconds(role, _full_bytes(node, role), world, machine)
             comm_at = done[node] = begin + seconds
             busy_comm += seconds
-            events.append(Event(name, node.name, "comm", begin, comm_at))
+            events.append(Event(name, node.name, "comm", begin, comm_at, _unit(node)))
         elif node.target is _WAIT:
             issued = node.args[0]
             compute_at = max(compute_at, done.get(issued, compute_at))
         else:
             seconds = compute_seconds(node, machine)
-            events.append(Event(name, node.name, "compute", compute_at, compute_at + seconds))
+            events.append(Event(name, node.name, "compute", compute_at, compute_at + seconds, _unit(node)))
             compute_at += seconds
             busy_compute += seconds
     return max(compute_at, comm_at), busy_compute, busy_comm, events

@@ -164,3 +164,53 @@ def test_graphs_without_collectives_run_on_one_process(stage3):
             1 for node in gm.graph.nodes if node.meta.get("fxshard", {}).get("role") in COLLECTIVE_ROLES)
         with torch.no_grad():
             compute_only(*_zeros_for_placeholders(gm))
+
+
+PHASES = set("BEXiIbneSTpFsftPNODCMRc")  # the Trace Event Format's phase letters
+METADATA_NAMES = {"process_name", "process_labels", "process_sort_index", "thread_name", "thread_sort_index"}
+
+
+def trace_event_format_errors(trace: dict) -> list[str]:
+    """What in ``trace`` breaks the Chrome Trace Event Format (JSON object form) that Perfetto reads."""
+    errors = [] if isinstance(trace.get("traceEvents"), list) else ["no traceEvents list"]
+    for i, event in enumerate(trace.get("traceEvents", [])):
+        where = f"event {i} ({event.get('name')!r})"
+        if event.get("ph") not in PHASES:
+            errors.append(f"{where}: phase {event.get('ph')!r}")
+        if not isinstance(event.get("name"), str) or not all(isinstance(event.get(k), (int, str)) for k in ("pid", "tid")):
+            errors.append(f"{where}: name must be a string, pid and tid ints or strings")
+        if event.get("ph") == "M":
+            named = event["name"] not in ("process_name", "thread_name") or "name" in event.get("args", {})
+            if event["name"] not in METADATA_NAMES or not named:
+                errors.append(f"{where}: metadata needs a known name (and a process or thread name args.name)")
+        elif not (isinstance(event.get("ts"), (int, float)) and event["ts"] >= 0):
+            errors.append(f"{where}: ts must be a number >= 0 (microseconds)")
+        if event.get("ph") == "X" and not (isinstance(event.get("dur"), (int, float)) and event["dur"] >= 0):
+            errors.append(f"{where}: a complete event needs dur >= 0")
+        if not isinstance(event.get("args", {}), dict):
+            errors.append(f"{where}: args must be an object")
+    if trace.get("displayTimeUnit", "ms") not in ("ms", "ns"):
+        errors.append("displayTimeUnit must be ms or ns")
+    return errors
+
+
+def test_the_simulated_step_is_a_chrome_trace_with_a_compute_and_a_communication_lane(stage3, tmp_path):
+    import json
+
+    timeline = stage3[1].trace(tmp_path / "step.json", world=2, machine=SLOW_NET)
+    trace = json.loads((tmp_path / "step.json").read_text())
+    assert trace_event_format_errors(trace) == []
+    lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert lanes == {1: "compute", 2: "communication"}
+    nodes = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(nodes) == len(timeline.events)
+    comm = [e for e in nodes if e["tid"] == 2]
+    assert {e["args"]["unit"] for e in comm} == {e.unit for e in timeline.events if e.stream == "comm"} != {""}
+    assert max(e["ts"] + e["dur"] for e in nodes) == pytest.approx(timeline.step_time * 1e6)
+    for a, b in zip(comm, comm[1:]):  # one communication stream: its collectives never overlap
+        assert b["ts"] >= a["ts"] + a["dur"] - 1e-6
+
+
+def test_the_trace_format_check_finds_what_perfetto_would_reject():
+    assert trace_event_format_errors({"traceEvents": [{"name": "mm", "ph": "X", "ts": 0, "pid": 0, "tid": 1}]}) == [
+        "event 0 ('mm'): a complete event needs dur >= 0"]
