@@ -316,12 +316,15 @@ def worker(rank: int, world: int, port: int, name: str, no_comm: bool, args, out
         return loss.detach()
 
     times, losses = [], []
-    for _ in range(args.warmup + args.steps):
+    total = args.warmup + args.steps
+    for index in range(total):
         inputs, targets = next(data)
         dist.barrier()  # every step starts together: a rank's time is its own, not the other's lag
         start = time.perf_counter()
         losses.append(train_step(inputs, targets))
         times.append(time.perf_counter() - start)
+        if rank == 0 and (index + 1 == args.warmup or (index + 1 - args.warmup) % 10 == 0 or index + 1 == total):
+            print(f"    {name}: step {index + 1}/{total} ({sum(times):.1f} s)", file=sys.stderr, flush=True)
     mean_losses = torch.stack(losses)
     dist.all_reduce(mean_losses, op=dist.ReduceOp.AVG)
 
@@ -480,10 +483,22 @@ def main() -> int:
     failed: dict[str, str] = {}
     notes: list[str] = []
     with tempfile.TemporaryDirectory() as out_dir:
+        runs = [(name, no_comm) for name in names for no_comm in (False, True) if not (no_comm and args.skip_exposed)]
+        started = time.monotonic()
+
+        def launch_with_progress(name: str, no_comm: bool) -> list[dict]:
+            done = runs.index((name, no_comm))
+            elapsed = time.monotonic() - started
+            remaining = f"~{datetime.timedelta(seconds=round(elapsed / done * (len(runs) - done)))}" if done else "?"
+            print(f"[{done + 1}/{len(runs)}] {name}{' without communication' if no_comm else ''}: "
+                  f"{args.warmup} warm-up + {args.steps} timed steps; elapsed "
+                  f"{datetime.timedelta(seconds=round(elapsed))}, remaining {remaining}", file=sys.stderr, flush=True)
+            return launch(name, no_comm, args, out_dir)
+
         for name in names:
             try:
-                real = launch(name, False, args, out_dir)
-                no_comm = None if args.skip_exposed else launch(name, True, args, out_dir)
+                real = launch_with_progress(name, False)
+                no_comm = None if args.skip_exposed else launch_with_progress(name, True)
             except Exception as error:  # one broken configuration must not cost the others' numbers
                 last_line = (str(error).strip().splitlines() or [""])[-1]  # a rank's traceback ends with its error
                 failed[name] = f"{type(error).__name__}: {last_line}"
