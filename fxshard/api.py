@@ -375,6 +375,21 @@ def backend(stage: int = 3, **options) -> Backend:
     return Backend(stage, **options)
 
 
+def backend_of(model: nn.Module) -> Backend:
+    """The Backend that prepared ``model`` (the module ``prepare`` returned, or its ``torch.compile`` wrapper)."""
+    kept = getattr(model, "_orig_mod", model).__dict__.get(_BACKEND)
+    if kept is None:
+        raise FxShardError(f"this {type(model).__name__} was not prepared by fxshard; call "
+                           "backend.prepare(model, optimizer) first")
+    return kept.backend
+
+
+def report(model: nn.Module, format: str = "text", measured=None) -> str:
+    """``backend.report(...)`` of the Backend that prepared ``model``, however it was compiled (``backend=backend``
+    or ``backend="fxshard"``)."""
+    return backend_of(model).report(format=format, measured=measured)
+
+
 def _refuse_meta_tensors(model: nn.Module) -> None:
     """A parameter or buffer on the meta device has no values to broadcast or shard: refuse it at prepare, not
     deep inside Dynamo at the first compile."""

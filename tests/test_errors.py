@@ -146,3 +146,6 @@ def test_the_registered_backend_compiles_with_the_backend_that_prepared(fake_wor
     compiled(torch.randn(4, 8)).sum().backward()
     assert [r.kind for r in backend.graphs] == ["joint", "forward", "backward"]
     assert "all_gather" in backend.report() and "reduce_scatter" in backend.report()
+    assert fxshard.report(compiled) == fxshard.report(model) == backend.report()
+    with pytest.raises(fxshard.FxShardError, match="this MLP was not prepared by fxshard"):
+        fxshard.report(MLP())
