@@ -62,12 +62,17 @@ def median_step_seconds(steps: dict, rounds: int) -> dict:
     each after a barrier, averaged over the ranks. Round-robin, so that a change in the machine's load during the
     run hits every configuration alike."""
     times = {name: [] for name in steps}
-    for _ in range(rounds):
+    started = time.monotonic()
+    for done in range(1, rounds + 1):
         for name, step in steps.items():
             dist.barrier()
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
+        if dist.get_rank() == 0 and (done % 5 == 0 or done == rounds):
+            elapsed = time.monotonic() - started
+            print(f"round {done}/{rounds}: elapsed {elapsed:.0f} s, remaining ~{elapsed / done * (rounds - done):.0f} s",
+                  file=sys.stderr, flush=True)
     medians = torch.tensor([statistics.median(times[name]) for name in steps], dtype=torch.float64)
     dist.all_reduce(medians)
     return dict(zip(steps, (medians / dist.get_world_size()).tolist()))
@@ -86,7 +91,10 @@ def validate(args: argparse.Namespace) -> None:
     compiled = {name: len(backend.graphs) for name, backend in backends.items()}
     if rank == 0:
         print(f"calibrating on {args.calibrate_on}, then timing {args.steps} rounds", file=sys.stderr, flush=True)
+    started = time.monotonic()
     machine = calibrate(backend=backends[args.calibrate_on], step=steps[args.calibrate_on])
+    if rank == 0:
+        print(f"calibrated in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     measured = median_step_seconds(steps, args.steps)
     recompiled = [name for name, backend in backends.items() if len(backend.graphs) != compiled[name]]
     if rank == 0:
