@@ -50,7 +50,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import fxshard  # noqa: E402
 from examples.launch import refuse_torchrun  # noqa: E402
 from fxshard.simulate import calibrate  # noqa: E402
-from examples.models import GPT, Block, GPTConfig  # noqa: E402
+from examples.models import GPT, GPTConfig  # noqa: E402
 from examples.train_gpt import batches  # noqa: E402
 from fxshard.passes import PassContext  # noqa: E402
 
@@ -97,9 +97,9 @@ CONFIGS = [
             Config(f"fxshard-{stage}-no-prefetch", "fxshard", compiled=True, stage=stage, options={"prefetch": 0}),
         )
     ),
-    # FSDP2's grouping: one collective per block and one for the rest of the model, as fully_shard(block) for each
-    # block and fully_shard(model) shard it (fxshard's default is one collective per module that owns parameters)
-    Config("fxshard-3-block-buckets", "fxshard", compiled=True, stage=3, options={"bucket": "block", "blocks": [Block, GPT]}),
+    # one collective per module that owns parameters, instead of the default per repeated block (bucket="auto")
+    *(Config(f"fxshard-{stage}-layer-buckets", "fxshard", compiled=True, stage=stage, options={"bucket": "layer"})
+      for stage in (2, 3)),
     # stage 0 all-reduces per module instead of its default DDP-sized buckets (25 MiB)
     Config("fxshard-0-layer-buckets", "fxshard", compiled=True, stage=0, options={"bucket": "layer"}),
     Config("fxshard-3-prefetch-users-group", "fxshard", compiled=True, stage=3, on_users_gloo_group=True),

@@ -44,7 +44,14 @@ def _braced(pieces: list[str], split) -> list[str]:
     for head, tail in order:
         middles = groups[(head, tail)]
         if len(middles) > 1 and None not in middles:
-            out.append(f"{head}{{{','.join(middles)}}}{tail}")
+            parts = [m.split(".") for m in middles]
+            shared = []  # components every middle starts with move out of the braces (each keeps one at least)
+            for column in zip(*parts):
+                if len(set(column)) > 1 or len(shared) + 1 >= min(map(len, parts)):
+                    break
+                shared.append(column[0])
+            inner = [".".join(p[len(shared):]) for p in parts]
+            out.append(f"{head}{''.join(c + '.' for c in shared)}{{{','.join(inner)}}}{tail}")
         else:
             out.extend(head + (m or "") + tail if m is not None else head for m in middles)
     return out

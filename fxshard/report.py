@@ -11,7 +11,7 @@ from tabulate import tabulate
 
 from . import budget
 from .errors import FxShardError
-from .formula import SumNames
+from .formula import SumNames, describe
 from .passes.fx_utils import COLLECTIVE_ROLES
 
 FORMATS = ("text", "json")
@@ -117,7 +117,8 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
     parts.extend(sums.legend())
     if ledger.schedule:
         parts.append("\ncollective schedule (graph order)")
-        parts.append(tabulate([(s["graph"], s["collective"], s["unit"], ", ".join(s["params"]), s["bytes"])
+        every = list(ledger.params)
+        parts.append(tabulate([(s["graph"], s["collective"], s["unit"], describe(s["params"], every), s["bytes"])
                                for s in ledger.schedule],
                               headers=["graph", "collective", "unit", "parameters", "bytes in"]))
     return "\n".join(parts)

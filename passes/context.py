@@ -17,8 +17,10 @@ COLLECTIVE_TIMEOUT_S = 30.0  # how long a rank waits for its peers in one of fxs
 
 def default_bucket(stage: int) -> str | int:
     """The backend's ``bucket`` when none is given: stage 0 all-reduces whole buckets as DDP does (nothing to
-    gather per layer, and on every backend each collective has a fixed latency); stages 1-3 per layer."""
-    return DDP_BUCKET_BYTES if stage == 0 else "layer"
+    gather per layer, and on every backend each collective has a fixed latency); stages 1-3 group by the model's
+    repeated blocks as FSDP2 users wrap them (``"auto"``: measured 0.69x the per-layer step at stage 3,
+    docs/benchmark.md)."""
+    return DDP_BUCKET_BYTES if stage == 0 else "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,7 @@ class PassContext:
         entry of ``blocks``), ``"auto"`` (one per repeated block the backend finds in the model, and one for the
         rest: ``fxshard.blocks``), or an int byte cap (greedy, in graph order). The backend's default depends on
         the stage: stage 0 packs its all-reduces into ``DDP_BUCKET_BYTES`` (DDP's 25 MiB ``bucket_cap_mb``), the
-        sharded stages communicate per ``"layer"``.
+        sharded stages communicate per block (``"auto"``; per layer in a model without repeated blocks).
     blocks: for ``bucket="block"``: module names (``"blocks.0"``) or module classes whose parameters share one
         collective, like FSDP2's per-block ``fully_shard``; the model itself (its class, or ``""``) takes what no
         inner block holds. With ``bucket="auto"`` the backend sets it (passes always see module names).

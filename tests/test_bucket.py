@@ -42,7 +42,7 @@ def gpt_graphs(stage=3, **options) -> dict:
 
 @pytest.fixture(scope="module")
 def layer_backend():
-    return compile_gpt(prefetch=0)
+    return compile_gpt(prefetch=0, bucket="layer")
 
 
 @pytest.fixture(scope="module")

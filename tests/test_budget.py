@@ -77,7 +77,7 @@ def test_gpt_stage_3_gathers_what_backward_reads():
         False: PSI + psi["tok_emb.weight"],
     }
     for reshard, elements in expected.items():
-        ledger = budget.ledger(scenarios.compiled_model("gpt", 3, reshard_after_forward=reshard))
+        ledger = budget.ledger(scenarios.compiled_model("gpt", 3, reshard_after_forward=reshard, bucket="layer"))
         gathered = ledger.closed_form(ledger.communicated("all_gather"))
         assert sympy.simplify(gathered - B_PARAM * elements / N) == 0, (reshard, gathered)
 

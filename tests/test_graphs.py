@@ -136,7 +136,7 @@ def test_tied_embedding_is_one_shard_gathered_per_use_site_and_reduced_once():
         torch.manual_seed(0)
         model = GPT()
         idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
-        backend = compile_and_step(model, idx, idx)
+        backend = compile_and_step(model, idx, idx, bucket="layer")
         assert model.tok_emb._parameters["weight"] is model.lm_head._parameters["weight"]
         graphs = final_graphs(backend)
     forward = [(r["kind"], r["unit"]) for r in collectives(graphs["forward"])]

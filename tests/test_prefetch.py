@@ -342,7 +342,7 @@ def test_a_custom_schedule_that_is_no_pure_reorder_is_refused(schedule, message)
 
 # -- numerics on 2 gloo ranks: a reorder and a regrouping change no number -------------------------------------------
 VARIANTS = [
-    {"stage": 3, "prefetch": 2, "max_inflight_gathers": 3},
+    {"stage": 3, "bucket": "layer", "prefetch": 2, "max_inflight_gathers": 3},
     {"stage": 3, "bucket": "block", "blocks": [Block], "prefetch": 1},
     {"stage": 0, "bucket": 20_000},
 ]

@@ -67,16 +67,17 @@ def test_stages_1_and_2_reduce_scatter_and_all_gather_psi(gpt_steps, stage):
 def test_stage_1_communicates_at_the_step_and_stage_2_per_unit_in_backward(gpt_steps):
     # in optimizer.step(): the GPT's 28 gradients (the tied embedding's once) fit one step bucket (25 MiB)
     assert gpt_steps[1]["collectives"]["reduce_scatter"]["calls"] == 1
-    units = 15  # modules owning parameters (16), the tied embedding / head reduced once
+    units = 3  # the default grouping ("auto"): blocks.0, blocks.1 and the model itself (embeddings, ln_f, head)
     assert gpt_steps[2]["collectives"]["reduce_scatter"]["calls"] == units  # in the backward graph
 
 
 def test_stage_3_gathers_per_unit_twice_and_reduce_scatters_once(gpt_steps):
     totals = gpt_steps[3]["collectives"]
-    # forward: every unit (16, the tied weight at both use sites); backward: every unit whose backward reads its
-    # weight, i.e. all but the two embeddings (14). One reduce-scatter per unit, the tied weight once (15).
-    assert totals["all_gather"]["calls"] == 16 + 14
-    assert totals["reduce_scatter"]["calls"] == 15
+    # the default grouping ("auto"): blocks.0, blocks.1 and the model itself (embeddings, the tied head, ln_f).
+    # Forward gathers each unit once, backward each again (every unit holds a weight its backward reads); one
+    # reduce-scatter per unit. Per layer (bucket="layer"): tests/test_bucket.py and tests/test_graphs.py.
+    assert totals["all_gather"]["calls"] == 3 + 3
+    assert totals["reduce_scatter"]["calls"] == 3
     assert totals["reduce_scatter"]["elements"] == gpt_steps[3]["psi_padded"]
 
 
@@ -109,8 +110,8 @@ def test_gradient_accumulation_matches_the_big_batch(accumulation_runs, stage):
 
 def test_gradient_accumulation_communicates_as_each_stage_promises(accumulation_runs):
     calls = {s: {kind: t["calls"] for kind, t in r["collectives"].items()} for s, r in accumulation_runs.items()}
-    units, micro_batches = 15, 3
+    units, micro_batches = 3, 3  # the default grouping: two blocks and the model itself
     assert calls[0] == {"all_reduce": 1}  # once per step, at optimizer.step(): one step bucket
     assert calls[1] == {"reduce_scatter": 1, "all_gather": 1}  # once per step: one step bucket each
     assert calls[2] == {"reduce_scatter": micro_batches * units, "all_gather": 1}  # every micro-batch
-    assert calls[3] == {"all_gather": micro_batches * (16 + 14), "reduce_scatter": micro_batches * units}
+    assert calls[3] == {"all_gather": micro_batches * 2 * units, "reduce_scatter": micro_batches * units}
