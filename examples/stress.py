@@ -59,6 +59,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import fxshard  # noqa: E402
+from examples.launch import refuse_torchrun  # noqa: E402
 from examples.models import GPT, GPTConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 WORLD_SIZE = 2
@@ -458,6 +459,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    refuse_torchrun("examples/stress.py")
     args = parse_args(argv)
     # glibc writes "malloc(): ..." to /dev/tty unless told otherwise: the ranks inherit this, so it reaches their logs.
     os.environ["LIBC_FATAL_STDERR_"] = "1"
