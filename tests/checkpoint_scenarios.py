@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 import fxshard
 from fxshard import checkpoint
 from fxshard.testing import rank_and_world
-from scenarios import build_model, global_batch, make_optimizer
+from scenarios import build_model, global_batch, make_optimizer, peak_allocated_bytes
 
 GLOBAL_BATCH = 12
 LAYER_WIDTH = 255  # large enough that DCP's own bookkeeping (plans, metadata: ~100 KB) is small beside a weight
@@ -218,27 +218,6 @@ def fsdp2_interop(directory: str) -> dict:
             "fsdp2_from_fxshard": fsdp2_from_fxshard}
 
 
-def _peak_bytes(fn) -> int:
-    """The most bytes allocated at once while ``fn()`` runs beyond what was allocated when it started, from the
-    profiler's allocation events (every CPU allocation and free, in order)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    allocations, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while pending:
-        event = pending.pop()
-        pending.extend(event.children)
-        if event.typed[0] == _EventType.Allocation:
-            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
-    live = peak = 0
-    for _, size in sorted(allocations, key=lambda a: a[0]):
-        live += size
-        peak = max(peak, live)
-    return peak
-
-
 def _model_for_memory(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "layers":  # 8 layers whose 255 rows split unevenly over 2 ranks: every weight is gathered
@@ -265,7 +244,7 @@ def peak_during_save(directory: str, model_name: str = "layers") -> dict:
         model(torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))).backward()
     opt.step()
     opt.zero_grad()
-    peak = _peak_bytes(lambda: checkpoint.save(model, opt, pathlib.Path(directory) / model_name))
+    peak = peak_allocated_bytes(lambda: checkpoint.save(model, opt, pathlib.Path(directory) / model_name))
     specs = [spec_of(p) for p in model.parameters()]
     kinds = 1 + sum(1 for v in next(iter(opt.state.values())).values() if v.dim())  # the parameter + its states
     return {

@@ -381,17 +381,14 @@ def _ledger_loss(name: str, run, generator: torch.Generator) -> torch.Tensor:
     return run(*_ledger_batch(name, generator))
 
 
-def _measured_peak(model_name: str, run, opt, generator) -> int:
-    """The most bytes allocated at once during one step beyond what was allocated when it started, from the
+def peak_allocated_bytes(fn) -> int:
+    """The most bytes allocated at once while ``fn()`` runs beyond what was allocated when it started, from the
     profiler's allocation events (every CPU allocation and free, in order)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    opt.zero_grad()
-    batch = _ledger_batch(model_name, generator)  # the caller's, not the step's
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run(*batch).backward()
-        opt.step()
+        fn()
     allocations, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while pending:
         event = pending.pop()
@@ -403,6 +400,18 @@ def _measured_peak(model_name: str, run, opt, generator) -> int:
         live += size
         peak = max(peak, live)
     return peak
+
+
+def _measured_peak(model_name: str, run, opt, generator) -> int:
+    """Peak bytes allocated during one step (``peak_allocated_bytes``)."""
+    opt.zero_grad()
+    batch = _ledger_batch(model_name, generator)  # the caller's, not the step's
+
+    def step():
+        run(*batch).backward()
+        opt.step()
+
+    return peak_allocated_bytes(step)
 
 
 def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool = False,
