@@ -136,7 +136,7 @@ def count_collectives(prof: profile) -> tuple[dict[str, int], dict[str, list[int
         elif event.name.startswith("gloo:"):
             kind = _GLOO_KINDS.get(event.name)
             if kind is None:
-                raise NotImplementedError(f"{event.name}: the benchmark does not count this collective")
+                raise ValueError(f"{event.name}: a gloo collective the benchmark does not count; add it to _GLOO_KINDS")
             dtype = event.input_dtypes[0] if event.input_dtypes and event.input_dtypes[0] else "float"
             ran[kind][0] += 1
             ran[kind][1] += math.prod(event.input_shapes[0]) * _ITEM_BYTES[dtype]

@@ -1,0 +1,18 @@
+"""The examples run under torchrun (env://) as well as with plain python (tests/test_checkpoint.py runs
+train_gpt.py both ways)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_custom_schedule_runs_under_torchrun():
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "examples" / "custom_schedule.py"), "--steps", "1"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "all issued before the first wait" in run.stdout and run.stdout.rstrip().endswith("True"), run.stdout
