@@ -71,8 +71,9 @@ def median_step_seconds(steps: dict, rounds: int) -> dict:
             times[name].append(time.perf_counter() - start)
         if dist.get_rank() == 0 and (done % 5 == 0 or done == rounds):
             elapsed = time.monotonic() - started
-            print(f"round {done}/{rounds}: elapsed {elapsed:.0f} s, remaining ~{elapsed / done * (rounds - done):.0f} s",
-                  file=sys.stderr, flush=True)
+            remaining = elapsed / done * (rounds - done)
+            print(f"round {done}/{rounds}: elapsed {elapsed:.0f} s, remaining ~{remaining:.0f} s", file=sys.stderr,
+                  flush=True)
     medians = torch.tensor([statistics.median(times[name]) for name in steps], dtype=torch.float64)
     dist.all_reduce(medians)
     return dict(zip(steps, (medians / dist.get_world_size()).tolist()))
