@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -244,10 +245,28 @@ def peak_during_save(directory: str, model_name: str = "layers") -> dict:
         model(torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32))).backward()
     opt.step()
     opt.zero_grad()
-    peak = peak_allocated_bytes(lambda: checkpoint.save(model, opt, pathlib.Path(directory) / model_name))
+    gathered = {"made": 0, "alive": 0, "most_alive": 0}
+    gather_full = checkpoint.gather_full
+
+    def counted_gather_full(*args, **kwargs):  # every full tensor the save gathers, and how many live at once
+        full = gather_full(*args, **kwargs)
+        gathered["made"] += 1
+        gathered["alive"] += 1
+        gathered["most_alive"] = max(gathered["most_alive"], gathered["alive"])
+        weakref.finalize(full, gathered.__setitem__, "alive", gathered["alive"] - 1)
+        return full
+
+    checkpoint.gather_full = counted_gather_full
+    try:
+        peak = peak_allocated_bytes(lambda: checkpoint.save(model, opt, pathlib.Path(directory) / model_name))
+    finally:
+        checkpoint.gather_full = gather_full
     specs = [spec_of(p) for p in model.parameters()]
     kinds = 1 + sum(1 for v in next(iter(opt.state.values())).values() if v.dim())  # the parameter + its states
     return {
+        "gathered": gathered["made"],
+        "most_gathered_at_once": gathered["most_alive"],
+        "uneven_tensors": kinds * sum(1 for s in specs if not checkpoint.rows_are_shard(s)),
         "peak": peak,
         "largest_parameter": max(s.numel for s in specs) * 4,
         "local": kinds * sum(s.chunk for s in specs) * 4,
