@@ -92,7 +92,7 @@ def test_a_stage_3_save_gathers_one_parameter_at_a_time(pools, tmp_path):
         assert result["gathered"] == result["uneven_tensors"] == 24, result
         assert result["most_gathered_at_once"] == 1, result
         # The allocator's view (docs/checkpointing.md has the figures: the copies of this rank's rows plus 1.4 to 10
-        # weights' worth, as gloo releases finished gathers' buffers late) stays below gathering it all at once.
+        # weights' worth, some gather buffers freed late outside fxshard) stays below gathering it all at once.
         assert result["peak"] < result["local"] + result["full"], result
 
 
