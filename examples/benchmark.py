@@ -103,6 +103,9 @@ CONFIGS = [
     # stage 0 all-reduces per module instead of its default DDP-sized buckets (25 MiB)
     Config("fxshard-0-layer-buckets", "fxshard", compiled=True, stage=0, options={"bucket": "layer"}),
     Config("fxshard-3-prefetch-users-group", "fxshard", compiled=True, stage=3, on_users_gloo_group=True),
+    # the default knobs through Inductor whatever --compiler says, to compare both compilers in one invocation
+    *(Config(f"fxshard-{stage}-inductor", "fxshard", compiled=True, stage=stage, options={"compiler": "inductor"})
+      for stage in fxshard.api.STAGES),
 ]
 BY_NAME = {config.name: config for config in CONFIGS}
 
@@ -296,7 +299,7 @@ def build(config: Config, args: argparse.Namespace, no_comm: bool):
         use_local_functional_collectives()
     if config.on_users_gloo_group:  # this process runs this configuration alone
         fxshard.prepare.collective_group = lambda group, timeout_s: group
-    backend = fxshard.backend(config.stage, compiler=args.compiler, **config.options)
+    backend = fxshard.backend(config.stage, **{"compiler": args.compiler, **config.options})
     model, optimizer = backend.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
     return model, optimizer, torch.compile(model, backend=backend, fullgraph=True), backend
 
