@@ -72,7 +72,7 @@ def checked_knobs(knobs: dict) -> dict:
     if unknown:
         raise FxShardError(f"unknown backend option(s) {unknown}; the options are stage, group, passes, compiler, "
                            f"{', '.join(KNOBS)} (see fxshard.passes.PassContext)")
-    bucket = knobs.get("bucket", "layer")
+    bucket = knobs.get("bucket", "auto")  # absent: the stage's default, a valid one
     if not (bucket in BUCKETS or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket > 0)):
         raise FxShardError(f'bucket must be "layer", "block", "auto" or a positive byte cap, got {bucket!r}')
     if bucket == "block" and not knobs.get("blocks"):
@@ -223,14 +223,7 @@ class Backend:
         if gm.meta["fxshard_optimizer"]:  # a compiled optimizer.step: rewritten before AOT sees it
             gm = self._run(context, graph_id, "optimizer", gm)
         inductor = _Inductor(gm, example_inputs) if self.compiler == "inductor" else None
-
-        def compile_graph(kind: str, graph: fx.GraphModule, inputs):
-            compiled_graph = self._compile_graph(context, graph_id, inductor, kind, graph, inputs)
-            # Before the graph first runs, every rank must have compiled the same collectives (fxshard.consistency).
-            final = next(r.final for r in reversed(self.graphs) if r.graph_id == graph_id and r.kind == kind)
-            check_same_schedule(final, kind, graph_id, context.group_name)
-            return compiled_graph
-
+        compile_graph = functools.partial(self._compile_graph, context, graph_id, inductor)
         compiled = aot_module_simplified(
             gm,
             example_inputs,
@@ -301,6 +294,8 @@ class Backend:
     def _compile_graph(self, context, graph_id, inductor: _Inductor | None, kind, gm: fx.GraphModule, example_inputs):
         gm = self._run(context, graph_id, kind, gm)
         compiled = inductor.compile(kind, gm, example_inputs) if inductor else make_boxed_func(gm.forward)
+        # Before the graph first runs, every rank must have compiled the same collectives (fxshard.consistency).
+        check_same_schedule(gm, kind, graph_id, context.group_name)
         return explaining_peer_failures(compiled, f"the {kind} graph")
 
     # -- reporting ----------------------------------------------------------------------------------------------
@@ -318,7 +313,6 @@ class Backend:
             return f"{grouping}\n{collective_report(self.graphs)}"
         return ledger_report(budget.ledger(self), format=format, measured=measured,
                              title=f"fxshard stage {self.stage}, {grouping}")
-
 
     def trace(self, path, world: int | None = None, machine=None):
         """Write the simulated step (``fxshard.simulate``) of the graphs compiled so far as a Chrome trace-event

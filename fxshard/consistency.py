@@ -47,6 +47,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .errors import FxShardError
 from .passes.fx_utils import COLLECTIVE_ROLES, marker_args
@@ -164,8 +165,6 @@ def _check_group_of(group_name: str) -> dist.ProcessGroup | None:
 
 
 def _records(check_group: dist.ProcessGroup, record: list[int]) -> list[list[int]]:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     with unset_fake_temporarily():  # the compilers may run inside AOT autograd's fake mode: this must be real
         mine = torch.tensor(record, dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(check_group))]
@@ -200,8 +199,6 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, graph_id: int, group_name
                            "groups for collectives of your own")
     if all(other == record for other in records):
         return
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     shared: list = [None] * len(records)
     with unset_fake_temporarily():
         dist.all_gather_object(shared, (kind, schedule), group=check_group)

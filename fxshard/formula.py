@@ -165,7 +165,7 @@ class SumNames:
         return min(forms, key=lambda form: len(str(form)))  # the same value; the shorter to read
 
     def substitutions(self) -> dict[sympy.Symbol, sympy.Expr]:
-        """Each named sum as the per-parameter sum it stands for (module sums included, for any name used)."""
+        """Each numbered sum as the per-parameter sum it stands for (module sums: ``module_sums``)."""
         return {symbol: sympy.Add(*(psi(n) for n in group)) for group, symbol in self.definitions.items()}
 
     def legend(self) -> list[str]:
