@@ -142,14 +142,15 @@ def test_ledger_counts_a_compiled_optimizer_steps_gathers_per_unit(pools):
     assert all(r[stage]["ledger"]["collectives"]["all_gather"][1] == 2 for r in results for stage in (1, 2))
 
 
-PEAK_TOLERANCE = 0.4  # measured on this Chain at world 2: within -3% (stage 0) .. +34% (stage 3)
+PEAK_TOLERANCE = 0.4  # measured on this Chain at world 2, least of 5 steps: +0% (stage 0) .. +27% (stage 3)
 
 
 def test_peak_within_tolerance(measured_world2):
     # The ledger's peak is the state held between steps plus every tensor the compiled graphs hold at their worst
-    # node. Not in it: gloo's own staging copies inside a collective (468 bytes at stage 3's peak here), and the
-    # optimizer step's temporaries beyond its step buckets (AdamW's foreach temporaries, a gathered column's copy):
-    # the measured peak is the larger, by up to a quarter on this tiny model (-3%..+22% measured at N=2).
+    # node. Not in it: gloo's own staging copies inside a collective, and the optimizer step's temporaries beyond its
+    # step buckets (AdamW's foreach temporaries, a gathered column's copy). A single step's peak also holds buffers
+    # gloo's worker thread frees late when it waits for a core (+49% at stage 3 once on a 2-core CI machine), hence
+    # the least of a few steps (scenarios._measured_peak).
     for stage, result in measured_world2[0].items():
         grads = result["measured"]["gradients"]
         measured = result["resident"] - grads + result["measured_peak"]  # the step starts with no gradients
