@@ -6,7 +6,8 @@
   rewrites the expected string in your test file);
 - ``fake_process_group(world_size)``: a single-process stand-in for a process group, so graphs of a world of any
   size can be compiled and snapshotted in plain CI (numbers computed under it are meaningless);
-- ``WorkerPool``: long-lived gloo ranks that run test functions, reused across tests.
+- ``WorkerPool``: long-lived ranks (gloo on CPU, or NCCL with one GPU each) that run test functions, reused across
+  tests.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float, log_path: str) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float, log_path: str,
+            backend: str) -> None:
     # The rank's own output (and glibc's abort message, which LIBC_FATAL_STDERR_ sends to stderr) goes to a file
     # the pool reads back when the rank dies.
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -129,8 +131,10 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: fl
     os.dup2(log, 2)
     os.environ["LIBC_FATAL_STDERR_"] = "1"  # older glibc writes its abort message to the terminal otherwise
     torch.set_num_threads(1)
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     while (task := tasks.get()) is not None:
@@ -173,7 +177,8 @@ def _last_lines(path: str, count: int = 20) -> str:
 
 
 class WorkerPool:
-    """``world_size`` spawned processes, each a rank of one gloo process group on 127.0.0.1, kept for many runs.
+    """``world_size`` spawned processes, each a rank of one process group on 127.0.0.1, kept for many runs: gloo, or
+    with ``backend="nccl"`` NCCL, rank r on GPU r.
 
     ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank (``fn`` must be importable: a module-level function)
     and returns the results in rank order, or raises ``WorkerError``. A rank that dies (a signal, or any exit)
@@ -184,8 +189,8 @@ class WorkerPool:
     Dynamo's caches are reset before each run.
     """
 
-    def __init__(self, world_size: int, timeout_s: float = 300.0, grace_s: float = 20.0):
-        self.world_size, self.timeout_s, self.grace_s = world_size, timeout_s, grace_s
+    def __init__(self, world_size: int, timeout_s: float = 300.0, grace_s: float = 20.0, backend: str = "gloo"):
+        self.world_size, self.timeout_s, self.grace_s, self.backend = world_size, timeout_s, grace_s, backend
         self._procs: list = []
         self._logs = tempfile.mkdtemp(prefix="fxshard-pool-")
 
@@ -199,7 +204,7 @@ class WorkerPool:
         self._tasks = [context.Queue() for _ in range(self.world_size)]
         self._procs = [
             context.Process(target=_worker, args=(rank, self.world_size, port, self._tasks[rank], self._results,
-                                                  self.timeout_s, self._log_path(rank)), daemon=True)
+                                                  self.timeout_s, self._log_path(rank), self.backend), daemon=True)
             for rank in range(self.world_size)
         ]
         for rank, proc in enumerate(self._procs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -57,16 +58,17 @@ def loss_of(model_name: str, model, batch) -> torch.Tensor:
 
 def train_against_reference(
     model_name: str, optimizer: str, steps: int = 5, compiled: bool = True, compiler: str = "eager", stage: int = 3,
-    clip: float | None = None, compile_step: bool = False,
+    clip: float | None = None, compile_step: bool = False, device: str = "cpu",
 ) -> dict:
     """Train a prepared model (this rank's slice of each global batch) beside a single-process reference that
     sees the whole global batch; return both models' full parameters before and after, the graphs compiled and
     the collectives of the last step (and, with ``clip``, the gradient norms each clipped by). ``compile_step``
-    compiles ``opt.step`` with the same backend."""
+    compiles ``opt.step`` with the same backend. ``device``: where both models train (``"cuda"``: this rank's GPU);
+    what is returned is on the CPU."""
     from fxshard.measure import CollectiveCounter
 
     rank, world = rank_and_world()
-    model = build_model(model_name)
+    model = build_model(model_name).to(device)
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer(optimizer, reference.parameters())
@@ -77,7 +79,7 @@ def train_against_reference(
     generator = torch.Generator().manual_seed(1)
     norms, reference_norms = [], []
     for i in range(steps):
-        batch = global_batch(model_name, world * PER_RANK_BATCH, generator)
+        batch = tuple(t.to(device) for t in global_batch(model_name, world * PER_RANK_BATCH, generator))
         local = tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
         with CollectiveCounter() if i == steps - 1 else contextlib.nullcontext() as counter:
             loss_of(model_name, run, local).backward()
@@ -90,7 +92,8 @@ def train_against_reference(
             reference_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item())
         reference_opt.step()
         reference_opt.zero_grad()
-    return {
+    on_cpu = functools.partial(torch.utils._pytree.tree_map_only, torch.Tensor, lambda t: t.cpu())
+    return on_cpu({
         "norms": norms,
         "reference_norms": reference_norms,
         "initial": initial,
@@ -98,7 +101,11 @@ def train_against_reference(
         "expected": reference.state_dict(),
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
         "collectives": counter.totals(),
-    }
+        "graph_devices": sorted({str(n.meta["val"].device) for r in backend.graphs if r.kind in ("forward", "backward")
+                                 for n in r.final.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}),
+        "devices": sorted({str(t.device) for t in [*model.parameters(), *(v for state in opt.state.values()
+                                                                          for v in state.values() if v.dim())]}),
+    })
 
 
 def _full_weight_matches(tensors, full_weights: dict) -> list[str]:
