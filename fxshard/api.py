@@ -70,7 +70,7 @@ def checked_knobs(knobs: dict) -> dict:
     """The backend's knobs (``PassContext``'s fields after the facts), each of the right kind, or FxShardError."""
     unknown = sorted(set(knobs) - set(KNOBS))
     if unknown:
-        raise FxShardError(f"unknown backend option(s) {unknown}; the options are stage, group, passes, compiler, "
+        raise FxShardError(f"unknown backend option(s) {unknown}; the options are stage, group, mesh, passes, compiler, "
                            f"{', '.join(KNOBS)} (see fxshard.passes.PassContext)")
     bucket = knobs.get("bucket", "auto")  # absent: the stage's default, a valid one
     if not (bucket in BUCKETS or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket > 0)):
@@ -109,7 +109,10 @@ class Backend:
     graph Dynamo hands it is run through AOT autograd and the pass pipeline. ``graphs`` keeps each rewritten graph
     with its pass-by-pass history; ``report()`` summarises the collectives.
 
-    Options: ``group`` (default: the world group), ``passes`` (default: ``default_passes()``), ``compiler``
+    Options: ``group`` (default: the world group) or ``mesh`` (a DeviceMesh: 1-D, the same as its group; 2-D with
+    dimensions named ``"replicate"`` and ``"shard"``, hybrid sharding: stages 1-3 shard over the "shard" groups and
+    average each shard's gradient over the "replicate" groups, stage 0 all-reduces over every rank of the mesh),
+    ``passes`` (default: ``default_passes()``), ``compiler``
     (``"eager"`` runs the rewritten graphs as they are, ``"inductor"`` compiles them), and the knobs every pass
     reads, documented on ``fxshard.passes.PassContext``: ``reshard_after_forward``, ``bucket``, ``blocks``,
     ``prefetch``, ``max_inflight_gathers``, ``schedule``, ``memory_budget``, ``param_dtype``, ``reduce_dtype``,
@@ -122,6 +125,7 @@ class Backend:
         stage: int = 3,
         *,
         group=None,
+        mesh=None,
         passes: Sequence[Pass] | None = None,
         compiler: str = "eager",
         **knobs,
@@ -130,8 +134,10 @@ class Backend:
             raise FxShardError(f"stage must be one of 0, 1, 2, 3 (ZeRO stage), got {stage!r}")
         if compiler not in COMPILERS:
             raise FxShardError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        if mesh is not None:
+            _check_mesh(mesh, group)
         self.stage = stage
-        self.group = group
+        self.group, self.mesh = group, mesh
         self.knobs = {"bucket": default_bucket(stage), **checked_knobs(knobs)}
         self.passes = list(default_passes() if passes is None else passes)
         self.compiler = compiler
@@ -146,9 +152,11 @@ class Backend:
         if not isinstance(model, nn.Module):
             raise FxShardError(f"prepare takes an nn.Module, got {type(model).__name__}")
         _refuse_meta_tensors(model)
-        leaves, grad_sync = shard_parameters(model, self.stage, self.group, self.knobs.get("param_dtype"),
+        group, replicate_group = (self.group, None) if self.mesh is None else mesh_groups(self.mesh, self.stage)
+        leaves, grad_sync = shard_parameters(model, self.stage, group, self.knobs.get("param_dtype"),
                                              self.knobs.get("reduce_dtype"),
-                                             self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
+                                             self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S),
+                                             replicate_group)
         self.model = model
         step_bucket_bytes = self.knobs.get("step_bucket_bytes", DDP_BUCKET_BYTES)
         self.optimizer = (None if optimizer is None
@@ -384,6 +392,39 @@ def report(model: nn.Module, format: str = "text", measured=None) -> str:
     return backend_of(model).report(format=format, measured=measured)
 
 
+MESH_DIMS = ("replicate", "shard")  # the dimension names of a hybrid-sharding mesh
+
+
+def _check_mesh(mesh, group) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if group is not None:
+        raise FxShardError("give the backend a group or a mesh, not both (a 1-D mesh is its group)")
+    if not isinstance(mesh, DeviceMesh):
+        raise FxShardError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 2 and set(mesh.mesh_dim_names or ()) != set(MESH_DIMS):
+        raise FxShardError(
+            f"a 2-D mesh needs its dimensions named {MESH_DIMS}, got {mesh.mesh_dim_names}: "
+            'init_device_mesh(device, (replicas, shards), mesh_dim_names=("replicate", "shard"))'
+        )
+    if mesh.ndim not in (1, 2):
+        raise FxShardError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim} dimensions")
+
+
+def mesh_groups(mesh, stage: int):
+    """(the group parameters are sharded over, the group each shard's gradient is then averaged over or None) for a
+    checked ``mesh``. Stage 0 shards nothing: it all-reduces over every rank of the mesh (one group of them all)."""
+    import torch.distributed as dist
+
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    if stage == 0:
+        ranks = sorted(mesh.mesh.flatten().tolist())
+        whole = ranks == list(range(dist.get_world_size()))
+        return (None if whole else dist.new_group(ranks=ranks, use_local_synchronization=True)), None
+    return mesh.get_group("shard"), mesh.get_group("replicate")
+
+
 def _refuse_meta_tensors(model: nn.Module) -> None:
     """A parameter or buffer on the meta device has no values to broadcast or shard: refuse it at prepare, not
     deep inside Dynamo at the first compile."""
@@ -424,7 +465,8 @@ def _describe(backend: Backend | None) -> str:
 def _option_values(backend: Backend) -> dict:
     """Every option of ``backend`` by its ``fxshard.backend`` keyword (knobs it was not given: their defaults)."""
     defaults = {f.name: f.default for f in dataclasses.fields(PassContext) if f.name in KNOBS}
-    return {"stage": backend.stage, "group": backend.group, "passes": backend.passes, "compiler": backend.compiler,
+    return {"stage": backend.stage, "group": backend.group, "mesh": backend.mesh, "passes": backend.passes,
+            "compiler": backend.compiler,
             **defaults, **backend.knobs}
 
 
@@ -441,7 +483,7 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
     wanted = _option_values(Backend(**options))  # validates the options
     have = _option_values(preparer)
     differing = [name for name in options if wanted[name] != have[name] and not (
-        name == "group" and wanted[name] is None)]
+        name in ("group", "mesh") and wanted[name] is None)]
     if differing:
         raise FxShardError(
             f'torch.compile(backend="fxshard", options=...) compiles with the backend that prepared the model, '

@@ -105,7 +105,8 @@ def collective_schedule(gm: fx.GraphModule) -> list[ScheduledCollective]:
             params=tuple(meta.get("params", ())),
             dtype=str(buffer.dtype).removeprefix("torch.") if isinstance(buffer, torch.Tensor) else "?",
             numel=shown,
-            group_name=str(marker_args(node).get("group_name", "")),
+            # a hybrid mesh's replicate groups differ between the ranks of one shard group: named by dimension
+            group_name=meta.get("across") or str(marker_args(node).get("group_name", "")),
         ))
     return schedule
 

@@ -14,6 +14,9 @@ of layout made by ``prepare``:
   the shards (stage 3) or is ``local`` itself (stage 0);
 - ``fqn`` names the parameter at its use site (``"blocks.0.attn.qkv.weight"``): the passes group markers into
   units by its module part. A tied parameter used by two modules gets one marker per use site;
+- ``replicate_group_name`` (hybrid sharding on a 2-D mesh, else ""): after the reduce-scatter over the shard group
+  (``group_name``), each rank's gradient shard is averaged over this group of the ranks that hold the same shard;
+  ``replicate_size`` is its size;
 - ``compute_dtype`` (mixed precision) is the dtype the full value is computed in: a shard is cast before it is
   gathered, so the all-gather moves compute-dtype bytes; ``reduce_dtype`` is the dtype a gradient is reduced in,
   and the reduced gradient comes back in ``grad_dtype``, the dtype of what this rank trains (the fp32 master).
@@ -56,6 +59,8 @@ def unshard(
     grad_reduction: str,
     compute_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    replicate_size: int = 1,
+    replicate_group_name: str = "",
 ) -> torch.Tensor:
     """The parameter in its full shape: the resident copy, the full ``local`` itself, or the gathered shards."""
     if resident is not None:
@@ -69,7 +74,8 @@ def unshard(
 
 
 @unshard.register_fake
-def _(local, resident, full_shape, world_size, group_name, fqn, grad_reduction, compute_dtype=None, reduce_dtype=None):
+def _(local, resident, full_shape, world_size, group_name, fqn, grad_reduction, compute_dtype=None, reduce_dtype=None,
+      replicate_size=1, replicate_group_name=""):
     return local.new_empty(full_shape, dtype=compute_dtype or (local if resident is None else resident).dtype)
 
 
@@ -82,8 +88,11 @@ def reduce_grad(
     grad_reduction: str,
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
+    replicate_size: int = 1,
+    replicate_group_name: str = "",
 ) -> torch.Tensor:
-    """Average a full-shape gradient over the ranks: this rank's flat shard of it, or all of it (or keep it local)."""
+    """Average a full-shape gradient over the ranks: this rank's flat shard of it (averaged over the shard group,
+    then over the replicas of the shard), or all of it (or keep it local)."""
     grad = cast_to(full_grad, reduce_dtype)
     if grad_reduction == "none":
         return cast_to(grad.contiguous().clone(), grad_dtype)
@@ -93,11 +102,14 @@ def reduce_grad(
         else:
             flat = flat_padded(grad, world_size)
             reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "avg", world_size, group_name))
+            if replicate_group_name:
+                reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "avg", replicate_group_name))
     return cast_to(reduced, grad_dtype)
 
 
 @reduce_grad.register_fake
-def _(full_grad, world_size, group_name, fqn, grad_reduction, reduce_dtype=None, grad_dtype=None):
+def _(full_grad, world_size, group_name, fqn, grad_reduction, reduce_dtype=None, grad_dtype=None, replicate_size=1,
+      replicate_group_name=""):
     dtype = grad_dtype or reduce_dtype or full_grad.dtype
     if grad_reduction != "reduce_scatter":
         return torch.empty_like(full_grad, dtype=dtype, memory_format=torch.contiguous_format)
@@ -105,14 +117,15 @@ def _(full_grad, world_size, group_name, fqn, grad_reduction, reduce_dtype=None,
 
 
 def _unshard_setup_context(ctx, inputs, output):
-    local, _, _, ctx.world_size, ctx.group_name, ctx.fqn, ctx.grad_reduction, _, ctx.reduce_dtype = inputs
+    local, _, _, ctx.world_size, ctx.group_name, ctx.fqn, ctx.grad_reduction, _, ctx.reduce_dtype, *replicas = inputs
+    ctx.replicate_size, ctx.replicate_group_name = replicas or (1, "")
     ctx.local_dtype = local.dtype
 
 
 def _unshard_backward(ctx, grad_full):
     grad_local = reduce_grad(grad_full, ctx.world_size, ctx.group_name, ctx.fqn, ctx.grad_reduction,
-                             ctx.reduce_dtype, ctx.local_dtype)
-    return grad_local, None, None, None, None, None, None, None, None
+                             ctx.reduce_dtype, ctx.local_dtype, ctx.replicate_size, ctx.replicate_group_name)
+    return grad_local, None, None, None, None, None, None, None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

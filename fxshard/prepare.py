@@ -87,7 +87,7 @@ def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
     if spec.stage == 0 and not getattr(module, _GRAD_SYNC).enabled:  # Dynamo guards on it: one graph per setting
         grad_reduction = "none"
     return unshard(local, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, grad_reduction,
-                   spec.param_dtype, spec.reduce_dtype)
+                   spec.param_dtype, spec.reduce_dtype, spec.replicate_size, spec.replicate_group_name)
 
 
 @functools.cache
@@ -194,14 +194,17 @@ def _resolve_group(group):
 
 
 @torch.no_grad()
-def _broadcast_from_first_rank(model: nn.Module, group) -> None:
+def _broadcast_from_first_rank(model: nn.Module, groups) -> None:
     """Every rank starts from the first rank's parameters and buffers, as DDP and FSDP's ``sync_module_states`` do:
     ranks that initialised with different seeds would otherwise train a patchwork (stage 3) or drift apart
-    (stages 0, 1) without any error."""
-    source = dist.get_global_rank(group, 0)
+    (stages 0, 1) without any error. On a 2-D mesh (``groups``: the shard group, then the replicate group) each
+    shard group takes its first rank's values, then each replicate group its first rank's: every rank the mesh's
+    first rank's."""
     tensors = list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
-    for tensor in tensors:
-        dist.broadcast(tensor.data, src=source, group=group)
+    for group in groups:
+        source = dist.get_global_rank(group, 0)
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=source, group=group)
 
 
 def _leaf_for(param: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
@@ -237,9 +240,11 @@ def shard_parameters(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    replicate_group=None,
 ) -> tuple[dict[int, nn.Parameter], GradSync]:
     """Lay out every parameter of ``model`` for ``stage``, in place; returns {id(original param): trainable leaf}
-    and the model's GradSync. Each ShardSpec names the group fxshard communicates on (``collective_group``)."""
+    and the model's GradSync. Each ShardSpec names the group fxshard communicates on (``collective_group``), and
+    with ``replicate_group`` (hybrid sharding) the group each shard's gradient is then averaged over."""
     if is_prepared(model) or any(spec_of(p) is not None for p in model.parameters()):
         raise FxShardError("this model is already prepared; call backend.prepare once per model")
     grad_sync = GradSync()
@@ -247,7 +252,11 @@ def shard_parameters(
     group = _resolve_group(group)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     group_name = collective_group(group, collective_timeout_s).group_name
-    _broadcast_from_first_rank(model, group)
+    replicas = {} if replicate_group is None else {
+        "replicate_size": dist.get_world_size(replicate_group),
+        "replicate_group_name": collective_group(replicate_group, collective_timeout_s).group_name,
+    }
+    _broadcast_from_first_rank(model, [group] if replicate_group is None else [group, replicate_group])
     leaves: dict[int, nn.Parameter] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         owned = {n: p for n, p in module._parameters.items() if p is not None}
@@ -256,7 +265,7 @@ def shard_parameters(
         for name, param in owned.items():
             if id(param) not in leaves:
                 spec = ShardSpec(f"{path}.{name}" if path else name, tuple(param.shape), world_size, rank,
-                                 group_name, stage, param_dtype, reduce_dtype)
+                                 group_name, stage, param_dtype, reduce_dtype, **replicas)
                 leaves[id(param)] = _lay_out(param, spec, grad_sync)
         setattr(module, _SPECS, {name: SPEC_OF[leaves[id(param)]] for name, param in owned.items()})
         setattr(module, _PATH, path)

@@ -36,6 +36,10 @@ class ShardSpec:
     stage: int
     param_dtype: torch.dtype | None = None  # mixed precision: the dtype forward and backward compute in
     reduce_dtype: torch.dtype | None = None  # mixed precision: the dtype gradients are averaged in
+    # hybrid sharding (a 2-D mesh): the group of the ranks that hold this same shard, one per shard group, over
+    # which the shard's gradient is averaged after the reduce-scatter; "" and 1 on a flat group
+    replicate_group_name: str = ""
+    replicate_size: int = 1
 
     @property
     def trains_shard(self) -> bool:

@@ -14,9 +14,11 @@ chose for the stage), not from the stage itself:
   first marker was; a shard read twice in a unit is gathered once;
 - ``reduce_grad`` markers of one unit, dtype and reduction become one collective placed where the unit's last
   marker was: ``reduce_scatter``: per gradient flat ``view`` -> ``constant_pad_nd`` -> ``view [world, chunk]`` ->
-  ``cat`` on dim 1 -> ``reduce_scatter_tensor(avg)`` -> ``wait_tensor`` -> ``split_with_sizes`` (nodes named
-  ``<param>_grad``); ``all_reduce``: flat ``view`` -> ``cat`` -> ``all_reduce(avg)`` -> ``wait_tensor`` ->
-  ``split_with_sizes`` -> ``view`` to each shape. A gradient consumed before that point is reduced on its own;
+  ``cat`` on dim 1 -> ``reduce_scatter_tensor(avg)`` -> ``wait_tensor`` -> (hybrid sharding, where the markers name a
+  replicate group: ``all_reduce(avg)`` of the shard over it, named ``all_reduce_replicas_<unit>`` and recording
+  ``across="replicate"`` and ``ranks``, -> ``wait_tensor``) -> ``split_with_sizes`` (nodes named ``<param>_grad``);
+  ``all_reduce``: flat ``view`` -> ``cat`` -> ``all_reduce(avg)`` -> ``wait_tensor`` -> ``split_with_sizes`` ->
+  ``view`` to each shape. A gradient consumed before that point is reduced on its own;
   ``none`` (stage 0 under ``no_sync``) becomes the gradient itself.
 
 A unit is ``meta["fxshard"]["bucket"]`` of the marker if a pass before set it, else the module that uses the
@@ -65,7 +67,7 @@ class _Emitter:
     def __call__(self, role: str, target, *args, name: str | None = None) -> fx.Node:
         # Collectives and waits are named after their unit, gathered weights after their parameter, so a printed
         # graph reads "wait_blocks_0_attn_qkv" and "blocks_0_attn_qkv_weight".
-        if role in (*COLLECTIVE_ROLES, "wait"):
+        if role in (*COLLECTIVE_ROLES, "wait") and name is None:
             name = f"{role}_{self.unit}"
         name = name and name.replace(".", "_")
         node = self.graph.create_node("call_function", target, args, name=name)
@@ -99,17 +101,17 @@ def _read_full(graph: fx.Graph, marker: fx.Node) -> None:
     _replace_marker(graph, marker, value)
 
 
-def _group_of(marker: fx.Node) -> tuple[int, str]:
-    """(world size, group name) of the process group a marker names: every graph, the optimizer's too, carries
-    its own, whatever the graph's inputs are."""
+def _group_of(marker: fx.Node) -> tuple[int, str, str]:
+    """(world size, group name, replicate group name) of the process groups a marker names: every graph, the
+    optimizer's too, carries its own, whatever the graph's inputs are."""
     args = marker_args(marker)
-    return args["world_size"], args["group_name"]
+    return args["world_size"], args["group_name"], args["replicate_group_name"]
 
 
 def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node]) -> None:
     shards = list(dict.fromkeys(m.args[0] for m in markers))
     chunks = [s.meta["val"].numel() for s in shards]
-    world, group_name = _group_of(markers[0])
+    world, group_name, _ = _group_of(markers[0])
     emit = _Emitter(graph, unit, list(dict.fromkeys(marker_args(m)["fqn"] for m in markers)))
     order = position(graph)
     anchor = min(markers, key=order.__getitem__)
@@ -162,7 +164,7 @@ def _reduce_dtype(marker: fx.Node) -> torch.dtype:
 
 
 def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Node]:
-    world, group_name = _group_of(markers[0])
+    world, group_name, _ = _group_of(markers[0])
     chunks = [m.meta["val"].numel() for m in markers]
     rows = []
     for marker, chunk in zip(markers, chunks):
@@ -174,6 +176,12 @@ def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Nod
     buffer = rows[0] if len(rows) == 1 else emit("copy_in", aten.view.default, emit("copy_in", aten.cat.default, rows, 1), [-1])
     reduced = emit("reduce_scatter", c10d.reduce_scatter_tensor.default, buffer, "avg", world, group_name)
     reduced = emit("wait", c10d.wait_tensor.default, reduced)
+    replicas = marker_args(markers[0])
+    if replicas["replicate_group_name"]:  # hybrid sharding: average the shard over the ranks that hold it too
+        reduced = emit("all_reduce", c10d.all_reduce.default, reduced, "avg", replicas["replicate_group_name"],
+                       name=f"all_reduce_replicas_{emit.unit}")
+        fxshard_meta(reduced).update(across="replicate", ranks=replicas["replicate_size"])
+        reduced = emit("wait", c10d.wait_tensor.default, reduced, name=f"wait_replicas_{emit.unit}")
     if len(markers) == 1:
         return [_cast(emit, reduced, markers[0].meta["val"].dtype, _reduce_dtype(markers[0]))]
     split = emit("copy_out", aten.split_with_sizes.default, reduced, chunks)

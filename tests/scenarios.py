@@ -58,13 +58,13 @@ def loss_of(model_name: str, model, batch) -> torch.Tensor:
 
 def train_against_reference(
     model_name: str, optimizer: str, steps: int = 5, compiled: bool = True, compiler: str = "eager", stage: int = 3,
-    clip: float | None = None, compile_step: bool = False, device: str = "cpu",
+    clip: float | None = None, compile_step: bool = False, device: str = "cpu", mesh_shape: tuple | None = None,
 ) -> dict:
     """Train a prepared model (this rank's slice of each global batch) beside a single-process reference that
     sees the whole global batch; return both models' full parameters before and after, the graphs compiled and
     the collectives of the last step (and, with ``clip``, the gradient norms each clipped by). ``compile_step``
     compiles ``opt.step`` with the same backend. ``device``: where both models train (``"cuda"``: this rank's GPU);
-    what is returned is on the CPU."""
+    what is returned is on the CPU. ``mesh_shape``: (replicas, shards) of a hybrid-sharding mesh over every rank."""
     from fxshard.measure import CollectiveCounter
 
     rank, world = rank_and_world()
@@ -72,7 +72,9 @@ def train_against_reference(
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer(optimizer, reference.parameters())
-    backend = fxshard.backend(stage=stage, compiler=compiler)
+    mesh = None if mesh_shape is None else torch.distributed.device_mesh.init_device_mesh(
+        device, mesh_shape, mesh_dim_names=("replicate", "shard"))
+    backend = fxshard.backend(stage=stage, compiler=compiler, mesh=mesh)
     model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
     step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
