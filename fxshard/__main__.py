@@ -1,13 +1,15 @@
 """``python -m fxshard``: the ledger from the command line.
 
-    python -m fxshard budget --params 7.5e9 --world 64 --stage 0,1,2,3 [--optimizer adamw]
+    python -m fxshard budget --params 7.5e9 (--world 64 | --mesh 8x8) --stage 0,1,2,3 [--optimizer adamw]
                              [--param-bytes 2 --grad-bytes 2 --master-bytes 4 --state-bytes 4] [--format json]
     python -m fxshard report script.py [script arguments...] [--format json]
 
 ``budget`` prints the memory per rank and the bytes sent per step of a model of ``--params`` elements without
 running it: it compiles a small stand-in (bias-free linear layers whose backward reads every weight, the ZeRO paper's
 assumption) for each stage under a fake process group, takes the ledger's closed form from those graphs and
-evaluates it at your sizes. ``report`` runs a training script in this process (under ``torchrun``, once per rank)
+evaluates it at your sizes. ``--mesh RxS`` is hybrid sharding: R replica groups of S ranks (e.g. 8 nodes of 8
+GPUs, 8x8); stages 1-3 shard over S and send each gradient shard across the R replicas, stage 0 all-reduces over
+all R*S ranks, and the bytes sent are split into the two dimensions. ``report`` runs a training script in this process (under ``torchrun``, once per rank)
 and prints each prepared backend's ledger beside the collective bytes measured in its last optimizer step (the
 script must run two or more: the first compiles, and the profiler also records the collectives that compiling
 traces on fake tensors).
@@ -31,8 +33,9 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
               "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}
 
 
-def _stand_in_ledger(stage: int, optimizer: str) -> budget.Ledger:
-    """The ledger of a 3-layer bias-free linear chain, compiled for ``stage`` on a fake world of 2 ranks."""
+def _stand_in_ledger(stage: int, optimizer: str, hybrid: bool = False) -> budget.Ledger:
+    """The ledger of a 3-layer bias-free linear chain, compiled for ``stage`` on a fake world of 2 ranks (``hybrid``:
+    of 4, a 2x2 mesh)."""
     import torch.nn.functional as F
 
     import fxshard
@@ -48,11 +51,16 @@ def _stand_in_ledger(stage: int, optimizer: str) -> budget.Ledger:
                 x = torch.tanh(layer(x))
             return x
 
-    with fake_process_group(2):
+    with fake_process_group(4 if hybrid else 2):
         torch._dynamo.reset()
         model = StandIn()
         kwargs = {"momentum": 0.9} if optimizer in ("sgd",) else {}
-        backend = fxshard.backend(stage=stage)
+        mesh = None
+        if hybrid:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        backend = fxshard.backend(stage=stage, mesh=mesh)
         model, _ = backend.prepare(model, OPTIMIZERS[optimizer](model.parameters(), lr=1e-3, **kwargs))
         run = torch.compile(model, backend=backend, fullgraph=True)
         F.mse_loss(run(torch.randn(2, 8, requires_grad=True)), torch.zeros(2, 8)).backward()
@@ -63,27 +71,32 @@ def _bytes(value: float) -> str:
     return f"{value / 1e9:,.2f} GB ({value / 2**30:,.2f} GiB)"
 
 
-def budget_rows(params: float, world: int, stages: list[int], optimizer: str, widths: dict) -> list[dict]:
-    """Per stage: each memory item, the total and the bytes sent per step, at ``params`` elements on ``world``
-    ranks. With a master wider than the parameters (mixed precision) the compute copy is counted apart from it."""
+def budget_rows(params: float, world: int, stages: list[int], optimizer: str, widths: dict,
+                replicas: int = 1) -> list[dict]:
+    """Per stage: each memory item, the total and the bytes sent per step (``sent_shard``: within the groups a
+    parameter is sharded over, ``sent_replicas``: across replicas), at ``params`` elements on ``world`` ranks
+    (``replicas`` > 1: a hybrid mesh of ``replicas`` groups of ``world / replicas``). With a master wider than
+    the parameters (mixed precision) the compute copy is counted apart from it."""
     rows = []
     for stage in stages:
-        ledger = _stand_in_ledger(stage, optimizer)
+        hybrid = replicas > 1 and stage > 0  # stage 0 on a mesh all-reduces over every rank
+        ledger = _stand_in_ledger(stage, optimizer, hybrid)
         mixed = widths[budget.B_MASTER] != widths[budget.B_PARAM]
         terms = ledger.select("memory") + (ledger.mixed_precision_copies if mixed else [])
         items = {}
         for term in terms:
             group = "optimizer state" if term.item not in ("compute copy", "master", "gradients") else term.item
             items[group] = items.get(group, 0) + term.bytes
-        values = {budget.PSI: params, budget.N: world, **widths}
+        values = {budget.PSI: params, budget.N: world // replicas if hybrid else world, budget.R: replicas, **widths}
         row = {"stage": stage}
         for item in ("compute copy", "master", "gradients", "optimizer state"):
             form = ledger.closed_form(items.get(item, sympy.Integer(0)))
             row[item] = float(form.subs(values))
         total = ledger.closed_form(sympy.Add(*items.values()))
-        sent = ledger.closed_form(ledger.communicated(moved=True))
-        row.update(total=float(total.subs(values)), total_form=str(sympy.factor(total.subs(widths))),
-                   sent=float(sent.subs(values)), sent_form=str(sympy.factor(sent.subs(widths))))
+        row.update(total=float(total.subs(values)), total_form=str(sympy.factor(total.subs(widths))))
+        for name, ranks in (("sent", None), ("sent_shard", budget.N), ("sent_replicas", budget.R)):
+            sent = ledger.closed_form(ledger.communicated(moved=True, ranks=ranks))
+            row.update({name: float(sent.subs(values)), f"{name}_form": str(sympy.factor(sent.subs(widths)))})
         rows.append(row)
     return rows
 
@@ -95,24 +108,46 @@ def _budget(args) -> int:
         raise FxShardError(f"--stage takes stages separated by commas, e.g. 0,1,2,3; got {args.stage!r}")
     if any(s not in (0, 1, 2, 3) for s in stages):
         raise FxShardError(f"stages are 0, 1, 2, 3; got {args.stage!r}")
-    if args.params <= 0 or args.world < 1:
-        raise FxShardError("--params must be positive and --world at least 1")
+    replicas, world = _mesh_or_world(args)
+    if args.params <= 0:
+        raise FxShardError("--params must be positive")
     widths = {budget.B_PARAM: args.param_bytes, budget.B_GRAD: args.grad_bytes, budget.B_MASTER: args.master_bytes,
               budget.B_STATE: args.state_bytes}
-    rows = budget_rows(args.params, args.world, stages, args.optimizer, widths)
+    rows = budget_rows(args.params, world, stages, args.optimizer, widths, replicas)
     if args.format == "json":
-        print(json.dumps({"params": args.params, "world": args.world, "optimizer": args.optimizer,
+        print(json.dumps({"params": args.params, "world": world, "replicas": replicas, "optimizer": args.optimizer,
                           "widths": {str(k): v for k, v in widths.items()}, "stages": rows}, indent=2))
         return 0
-    print(f"Ψ = {args.params:,.0f} parameters on N = {args.world} ranks, {args.optimizer}, bytes per element: "
+    where = (f"a {replicas}x{world // replicas} mesh (R = {replicas} replicas of shard groups of N = "
+             f"{world // replicas}; stage 0: N = {world})" if replicas > 1 else f"N = {world} ranks")
+    print(f"Ψ = {args.params:,.0f} parameters on {where}, {args.optimizer}, bytes per element: "
           f"param {args.param_bytes}, grad {args.grad_bytes}, master {args.master_bytes}, state {args.state_bytes}"
           "  (GB = 10^9 bytes, GiB = 2^30 bytes)")
+    sent = ([("sent_shard", "sent in shard group"), ("sent_replicas", "sent across replicas")] if replicas > 1
+            else [("sent", "sent per step")])
     print(tabulate([(r["stage"], r["total_form"], _bytes(r["compute copy"]), _bytes(r["master"]),
-                     _bytes(r["gradients"]), _bytes(r["optimizer state"]), _bytes(r["total"]), r["sent_form"],
-                     _bytes(r["sent"])) for r in rows],
+                     _bytes(r["gradients"]), _bytes(r["optimizer state"]), _bytes(r["total"]),
+                     *(x for key, _ in sent for x in (r[f"{key}_form"], _bytes(r[key])))) for r in rows],
                    headers=["stage", "memory per rank", "compute copy", "master", "gradients", "optimizer state",
-                            "total per rank", "sent per step", "sent per rank per step"]))
+                            "total per rank", *(x for _, title in sent for x in (title, "per rank"))]))
     return 0
+
+
+def _mesh_or_world(args) -> tuple[int, int]:
+    """(replicas, ranks in all) from ``--mesh RxS`` or ``--world N``."""
+    if (args.mesh is None) == (args.world is None):
+        raise FxShardError("give --world N (one group of N ranks) or --mesh RxS (hybrid: R replicas of S ranks)")
+    if args.world is not None:
+        if args.world < 1:
+            raise FxShardError("--world must be at least 1")
+        return 1, args.world
+    try:
+        replicas, shards = (int(x) for x in args.mesh.lower().split("x"))
+    except ValueError:
+        raise FxShardError(f"--mesh takes RxS (replicas x shard-group size), e.g. 8x8; got {args.mesh!r}")
+    if replicas < 1 or shards < 1:
+        raise FxShardError(f"--mesh needs R and S of at least 1, got {args.mesh!r}")
+    return replicas, replicas * shards
 
 
 def _report(args, script_args: list[str]) -> int:
@@ -164,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("budget", help="memory and communication of a hypothetical model, per stage")
     plan.add_argument("--params", type=float, required=True, help="parameter elements, e.g. 7.5e9")
-    plan.add_argument("--world", type=int, required=True, help="ranks N")
+    plan.add_argument("--world", type=int, help="ranks N")
+    plan.add_argument("--mesh", help="hybrid sharding: RxS, R replicas of shard groups of S ranks (e.g. 8x8)")
     plan.add_argument("--stage", default="0,1,2,3", help="stages, comma separated")
     plan.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     plan.add_argument("--param-bytes", type=int, default=2, help="bytes per element of the compute copy (2)")

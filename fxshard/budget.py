@@ -18,7 +18,8 @@ Nothing here is a table keyed by ZeRO stage. Every term comes from a node (or th
   ``exp_avg_sq``); where the master is not what the graph reads, its update is followed by an all-gather into the
   copy the graph reads, and where a gradient arrives full but the master is a shard, by a reduce-scatter.
 
-Symbols: ``N`` (world size), one element count ``ψ[name]`` per trainable parameter (``Ψ`` is their sum), byte
+Symbols: ``N`` (the ranks a parameter is sharded over: the world size, or a 2-D mesh's shard dimension), ``R``
+(hybrid sharding only: the replicas of each shard, the mesh's replicate dimension), one element count ``ψ[name]`` per trainable parameter (``Ψ`` is their sum), byte
 widths ``b_param`` (the copy the graph reads), ``b_grad``, ``b_master``, ``b_state``, and with dynamic shapes the
 graph's size symbols, named ``batch``/``seq`` after the model input dimension they come from. A shard of ``ψ`` elements holds ``ceiling(ψ/N)`` (flat padded
 sharding); :meth:`Ledger.closed_form` assumes N divides every parameter and writes the sum as Ψ.
@@ -39,6 +40,7 @@ from .errors import FxShardError
 from .passes.fx_utils import COLLECTIVE_ROLES, size_hint
 
 N = sympy.Symbol("N", positive=True, integer=True)
+R = sympy.Symbol("R", positive=True, integer=True)
 PSI = sympy.Symbol("Ψ", positive=True)
 B_PARAM, B_GRAD, B_MASTER, B_STATE = (sympy.Symbol(n, positive=True) for n in ("b_param", "b_grad", "b_master", "b_state"))
 WIDTHS = (B_PARAM, B_GRAD, B_MASTER, B_STATE)
@@ -77,9 +79,10 @@ def shard(elements: sympy.Expr) -> sympy.Expr:
     return sympy.ceiling(elements / N)
 
 
-def ring_factor(kind: str) -> sympy.Expr:
-    """Bytes a rank sends in a ring collective per byte of its input buffer (what ``CollectiveCounter`` counts)."""
-    return {"all_gather": N - 1, "reduce_scatter": (N - 1) / N, "all_reduce": 2 * (N - 1) / N}[kind]
+def ring_factor(kind: str, ranks: sympy.Expr = N) -> sympy.Expr:
+    """Bytes a rank sends in a ring collective over ``ranks`` per byte of its input buffer (what
+    ``CollectiveCounter`` counts)."""
+    return {"all_gather": ranks - 1, "reduce_scatter": (ranks - 1) / ranks, "all_reduce": 2 * (ranks - 1) / ranks}[kind]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +97,7 @@ class Term:
     source: str
     calls: int = 0  # collectives: how many run per step
     unit: str = ""
+    ranks: sympy.Expr = N  # collectives: the group they run over (R: across the replicas of a hybrid mesh)
 
     @property
     def bytes(self) -> sympy.Expr:
@@ -102,7 +106,7 @@ class Term:
     @property
     def moved(self) -> sympy.Expr:
         """Collectives: bytes this rank sends per step in a ring algorithm."""
-        return self.bytes * ring_factor(self.item)
+        return self.bytes * ring_factor(self.item, self.ranks)
 
 
 @dataclasses.dataclass
@@ -135,14 +139,19 @@ class Ledger:
         """Where the peak is: the graph and node."""
         return next((t.source for t in self.select("peak") if t.item == "peak point"), "")
 
-    def communicated(self, kind: str | None = None, *, moved: bool = False) -> sympy.Expr:
+    def communicated(self, kind: str | None = None, *, moved: bool = False, ranks: sympy.Expr | None = None
+                     ) -> sympy.Expr:
         """Bytes per step: handed to collectives (``moved=False``, what ``CollectiveCounter`` counts) or sent in a
-        ring (``moved=True``)."""
-        terms = [t for t in self.select("comm") if kind is None or t.item == kind]
+        ring (``moved=True``); of one kind, over one group (``ranks``: ``N`` or ``R``), or all."""
+        terms = [t for t in self.select("comm", kind) if ranks is None or t.ranks == ranks]
         return sympy.Add(*((t.moved if moved else t.bytes) for t in terms))
 
-    def calls(self, kind: str) -> int:
-        return sum(t.calls for t in self.select("comm", kind))
+    def calls(self, kind: str, ranks: sympy.Expr | None = None) -> int:
+        return sum(t.calls for t in self.select("comm", kind) if ranks is None or t.ranks == ranks)
+
+    def groups(self, kind: str) -> list[sympy.Expr]:
+        """The groups (``N``, then ``R`` on a hybrid mesh) that collectives of ``kind`` run over."""
+        return [g for g in (N, R) if any(t.ranks == g for t in self.select("comm", kind))]
 
     def mixed_precision(self) -> sympy.Expr:
         """Resident bytes under the ZeRO paper's mixed-precision accounting: the run's terms plus a compute copy
@@ -153,7 +162,7 @@ class Ledger:
         """``expr`` evaluated at this run's sizes (Ψ is the sum of the ψ), overridden by name: ``N=64``,
         ``b_param=2``, ``Ψ=7.5e9``."""
         values = {**self.values, PSI: sum(self.values.get(c, 0) for c in self.params.values())}
-        known = {s.name: s for s in [N, PSI, *WIDTHS, *values]}
+        known = {s.name: s for s in [N, R, PSI, *WIDTHS, *values]}
         for name, value in sizes.items():
             if name not in known:
                 raise FxShardError(f"the ledger has no symbol {name!r}; it has {sorted(known)}")
@@ -169,7 +178,7 @@ class Ledger:
 
 
 def _symbol_named(ledger: Ledger, symbol: sympy.Symbol) -> sympy.Symbol:
-    for known in [N, *WIDTHS, *ledger.values]:
+    for known in [N, R, *WIDTHS, *ledger.values]:
         if known.name == symbol.name:
             return known
     return symbol
@@ -319,16 +328,21 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[lis
         buffer = node.args[0].meta["val"]
         params = sizes.of_sites(meta.get("params", []))
         counts = [p.count for p in params]
+        across_replicas = meta.get("across") == "replicate"  # hybrid mesh: a gradient shard averaged over R ranks
+        if across_replicas:
+            sizes.values[R] = meta["ranks"]
         candidates = {
             "all_gather": [sympy.Add(*map(shard, counts))],
             "reduce_scatter": [N * sympy.Add(*map(shard, counts))],
-            "all_reduce": [sympy.Add(*counts)],
+            "all_reduce": [sympy.Add(*map(shard, counts)) if across_replicas else sympy.Add(*counts)],
         }[kind]
         elements = sizes.matching(size_hint(buffer.numel()), candidates)
         width = _width(buffer, B_PARAM if kind == "all_gather" else B_GRAD, sizes.values)
         unit = meta.get("unit", "")
-        terms.append(Term("comm", kind, elements, width, f"{graph}: {node.name}", calls=1, unit=unit))
-        schedule.append({"graph": graph, "position": index, "collective": kind, "unit": unit,
+        terms.append(Term("comm", kind, elements, width, f"{graph}: {node.name}", calls=1, unit=unit,
+                          ranks=R if across_replicas else N))
+        schedule.append({"graph": graph, "position": index,
+                         "collective": f"{kind} over replicas" if across_replicas else kind, "unit": unit,
                          "params": [p.name for p in params], "node": node.name,
                          "bytes": size_hint(buffer.numel()) * buffer.element_size()})
     return terms, schedule
@@ -593,20 +607,28 @@ def optimizer_terms(optimizer, params: list[_Param], sizes: _Sizes,
         for index, bucket in enumerate(step.buckets(kind, taken)):
             elements = sympy.Add(*(shard(count_of(spec_of(s))) for s in bucket)) * (1 if kind == "all_gather" else N)
             dtype_of = torch.empty(0, dtype=step.collective_dtype(kind, bucket[0]))
-            comm.append(Term("comm", kind, elements, _width(dtype_of, role, sizes.values),
-                             f"optimizer step: {kind} bucket {index}", calls=1, unit=f"step bucket {index}"))
+            width = _width(dtype_of, role, sizes.values)
+            comm.append(Term("comm", kind, elements, width, f"optimizer step: {kind} bucket {index}", calls=1,
+                             unit=f"step bucket {index}"))
             rows.append({"graph": "optimizer step", "position": index, "collective": kind,
                          "unit": f"step bucket {index}", "params": [spec_of(s).name for s in bucket], "node": "-"})
+            replicas = spec_of(bucket[0]).replicate_size
+            if kind == "reduce_scatter" and replicas > 1:  # hybrid mesh: the reduced shards, averaged over R ranks
+                sizes.values[R] = replicas
+                comm.append(Term("comm", "all_reduce", elements / N, width,
+                                 f"optimizer step: all_reduce over replicas bucket {index}", calls=1,
+                                 unit=f"step bucket {index}", ranks=R))
+                rows.append({**rows[-1], "collective": "all_reduce over replicas"})
     return memory, comm, copies, rows
 
 
 def step_peaks(step_collectives: list[Term], gradients: list[Term]) -> list[list[Term]]:
     """The eager optimizer step's worst points, one per bucket collective: the gradients backward left (held until
     the step), the bucket's input buffer (the shards or padded gradients, concatenated) and its output (the whole
-    all-gather, or one rank's share of a reduce-scatter)."""
+    all-gather, or one rank's share of a reduce-scatter; an all-reduce's is its input's size)."""
     peaks = []
     for term in step_collectives:
-        output = term.elements / N if term.item == "reduce_scatter" else term.elements * N
+        output = {"reduce_scatter": term.elements / N, "all_gather": term.elements * N}.get(term.item, term.elements)
         peaks.append([dataclasses.replace(g, section="peak") for g in gradients] + [
             Term("peak", "step bucket", term.elements, term.width, f"{term.source} input"),
             Term("peak", "step bucket", output, term.width, f"{term.source} output"),

@@ -86,10 +86,14 @@ def ledger_rows(ledger: budget.Ledger, measured=None, sums: SumNames | None = No
     if saved:
         add("memory", "saved activations", sympy.Add(*(t.bytes for t in saved)))
     for kind in COLLECTIVE_ROLES:
-        if ledger.calls(kind):
-            value = None if per_step is None else per_step[kind]
-            add("per step", f"{kind} input ({ledger.calls(kind)} calls)", ledger.communicated(kind), value)
-            add("per step", f"{kind} sent (ring)", ledger.communicated(kind, moved=True))
+        groups = ledger.groups(kind)
+        for ranks in groups:
+            # a counter sees collectives, not their groups: its bytes go where one group runs this kind
+            value = None if per_step is None or len(groups) > 1 else per_step[kind]
+            what = f"{kind} over replicas" if ranks == budget.R else kind
+            add("per step", f"{what} input ({ledger.calls(kind, ranks)} calls)", ledger.communicated(kind, ranks=ranks),
+                value)
+            add("per step", f"{what} sent (ring)", ledger.communicated(kind, moved=True, ranks=ranks))
     return rows
 
 
@@ -108,7 +112,8 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
                            "sums": dict(zip(map(str, sums.definitions.values()), map(sorted, sums.definitions))),
                            "ledger": rows, "schedule": ledger.schedule}, indent=2, default=str)
     parts = [title or "fxshard ledger",
-             f"N={ledger.values[budget.N]}, Ψ={ledger.at(budget.PSI)}, widths "
+             f"N={ledger.values[budget.N]}, " + (f"R={ledger.values[budget.R]}, " if budget.R in ledger.values else "")
+             + f"Ψ={ledger.at(budget.PSI)}, widths "
              + ", ".join(f"{w}={ledger.values[w]}" for w in budget.WIDTHS)]
     parts.append(tabulate([(r["section"], r["what"], r["readable"], r["bytes"],
                             "" if r["measured"] is None else int(r["measured"])) for r in rows],
