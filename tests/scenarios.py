@@ -431,10 +431,10 @@ def _measured_peak(model_name: str, run, opt, generator, steps: int = 5) -> int:
 
 
 def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool = False,
-                               compile_step: bool = False) -> dict:
-    """For each stage: train three AdamW steps (``opt.step`` compiled too, with ``compile_step``); of the last, the
-    ledger at this world size beside what was measured (collective bytes and calls by kind, bytes of each kind of
-    state), optionally the step's peak."""
+                               compile_step: bool = False, mesh_shape: tuple | None = None) -> dict:
+    """For each stage: train three AdamW steps (``opt.step`` compiled too, with ``compile_step``; on a hybrid mesh
+    of ``mesh_shape`` (replicas, shards), with it); of the last, the ledger at this world size beside what was
+    measured (collective bytes and calls by kind, bytes of each kind of state), optionally the step's peak."""
     from fxshard import budget
     from fxshard.measure import CollectiveCounter
     from fxshard.passes.fx_utils import COLLECTIVE_ROLES
@@ -444,7 +444,9 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
     for stage in stages:
         torch._dynamo.reset()
         model = _ledger_model(model_name)
-        backend = fxshard.backend(stage=stage)
+        mesh = None if mesh_shape is None else torch.distributed.device_mesh.init_device_mesh(
+            "cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        backend = fxshard.backend(stage=stage, mesh=mesh)
         model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
         run = _ledger_step(model_name, model, backend)
         step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
