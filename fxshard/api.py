@@ -152,11 +152,11 @@ class Backend:
         if not isinstance(model, nn.Module):
             raise FxShardError(f"prepare takes an nn.Module, got {type(model).__name__}")
         _refuse_meta_tensors(model)
-        group, replicate_group = (self.group, None) if self.mesh is None else mesh_groups(self.mesh, self.stage)
-        leaves, grad_sync = shard_parameters(model, self.stage, group, self.knobs.get("param_dtype"),
+        groups = (self.group, None, None) if self.mesh is None else mesh_groups(self.mesh, self.stage)
+        leaves, grad_sync = shard_parameters(model, self.stage, groups[0], self.knobs.get("param_dtype"),
                                              self.knobs.get("reduce_dtype"),
                                              self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S),
-                                             replicate_group)
+                                             *groups[1:])
         self.model = model
         step_bucket_bytes = self.knobs.get("step_bucket_bytes", DDP_BUCKET_BYTES)
         self.optimizer = (None if optimizer is None
@@ -411,18 +411,20 @@ def _check_mesh(mesh, group) -> None:
         raise FxShardError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim} dimensions")
 
 
-def mesh_groups(mesh, stage: int):
-    """(the group parameters are sharded over, the group each shard's gradient is then averaged over or None) for a
-    checked ``mesh``. Stage 0 shards nothing: it all-reduces over every rank of the mesh (one group of them all)."""
+def mesh_groups(mesh, stage: int) -> tuple:
+    """(the group parameters are sharded over, the group each shard's gradient is then averaged over, a group of
+    every rank of the mesh) for a checked ``mesh``, None where there is none (None first: the world group). Stage 0
+    shards nothing: it all-reduces over every rank of the mesh."""
     import torch.distributed as dist
 
     if mesh.ndim == 1:
-        return mesh.get_group(), None
+        return mesh.get_group(), None, None
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    whole = None if ranks == list(range(dist.get_world_size())) else dist.new_group(
+        ranks=ranks, use_local_synchronization=True)
     if stage == 0:
-        ranks = sorted(mesh.mesh.flatten().tolist())
-        whole = ranks == list(range(dist.get_world_size()))
-        return (None if whole else dist.new_group(ranks=ranks, use_local_synchronization=True)), None
-    return mesh.get_group("shard"), mesh.get_group("replicate")
+        return whole, None, None
+    return mesh.get_group("shard"), mesh.get_group("replicate"), whole
 
 
 def _refuse_meta_tensors(model: nn.Module) -> None:

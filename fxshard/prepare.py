@@ -241,10 +241,12 @@ def shard_parameters(
     reduce_dtype: torch.dtype | None = None,
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
     replicate_group=None,
+    mesh_group=None,
 ) -> tuple[dict[int, nn.Parameter], GradSync]:
     """Lay out every parameter of ``model`` for ``stage``, in place; returns {id(original param): trainable leaf}
     and the model's GradSync. Each ShardSpec names the group fxshard communicates on (``collective_group``), and
-    with ``replicate_group`` (hybrid sharding) the group each shard's gradient is then averaged over."""
+    with ``replicate_group`` (hybrid sharding) the group each shard's gradient is then averaged over and
+    ``mesh_group``, every rank of the mesh."""
     if is_prepared(model) or any(spec_of(p) is not None for p in model.parameters()):
         raise FxShardError("this model is already prepared; call backend.prepare once per model")
     grad_sync = GradSync()
@@ -255,6 +257,7 @@ def shard_parameters(
     replicas = {} if replicate_group is None else {
         "replicate_size": dist.get_world_size(replicate_group),
         "replicate_group_name": collective_group(replicate_group, collective_timeout_s).group_name,
+        "mesh_group_name": collective_group(_resolve_group(mesh_group), collective_timeout_s).group_name,
     }
     _broadcast_from_first_rank(model, [group] if replicate_group is None else [group, replicate_group])
     leaves: dict[int, nn.Parameter] = {}

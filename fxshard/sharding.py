@@ -40,6 +40,7 @@ class ShardSpec:
     # which the shard's gradient is averaged after the reduce-scatter; "" and 1 on a flat group
     replicate_group_name: str = ""
     replicate_size: int = 1
+    mesh_group_name: str = ""  # hybrid sharding: a group of every rank of the mesh (checkpoints are written over it)
 
     @property
     def trains_shard(self) -> bool:

@@ -56,10 +56,12 @@ def _train(run, opt, batches, steps: int) -> list[float]:
     return losses
 
 
-def _prepared(stage: int, compiled: bool = False):
+def _prepared(stage: int, compiled: bool = False, mesh_shape: tuple | None = None):
     torch._dynamo.reset()
     model = build_model("mlp")
-    backend = fxshard.backend(stage=stage)
+    mesh = None if mesh_shape is None else torch.distributed.device_mesh.init_device_mesh(
+        "cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    backend = fxshard.backend(stage=stage, mesh=mesh)
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
     return backend, model, opt, run
@@ -154,6 +156,22 @@ def resume_at_stage(directory: str, stage: int) -> dict:
     opt.load_state_dict(template["optim"])
     through_plain = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
     return {"through_load": through_load, "through_plain": through_plain}
+
+
+def resume_on_a_mesh(directory: str, stage: int, mesh_shape: tuple) -> dict:
+    """On a hybrid mesh: load the world-2 stage-3 checkpoint (``torch_api``) and train on; then save this run's
+    own checkpoint after those steps, load it into a fresh prepare on the same mesh and train on from both."""
+    root = pathlib.Path(directory)
+    _, model, opt, run = _prepared(stage, mesh_shape=mesh_shape)
+    checkpoint.load(model, opt, root / "torch_api")
+    batches = _batches(skip=STEPS_BEFORE)
+    resharded = _train(run, opt, batches, 1)
+    checkpoint.save(model, opt, root / f"mesh_stage_{stage}")
+    continued = _train(run, opt, batches, 1)
+    _, fresh_model, fresh_opt, fresh_run = _prepared(stage, mesh_shape=mesh_shape)
+    checkpoint.load(fresh_model, fresh_opt, root / f"mesh_stage_{stage}")
+    resumed = _train(fresh_run, fresh_opt, _batches(skip=STEPS_BEFORE + 1), 1)
+    return {"resharded": resharded + continued, "continued": continued, "resumed": resumed}
 
 
 def misuse_is_refused(directory: str) -> dict:

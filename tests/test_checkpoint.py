@@ -68,6 +68,16 @@ def test_resume_at_another_world_size_and_stage(saved, pools, stage):
         assert _close(result["through_plain"], results[0]["after"]), (result, results[0]["after"])
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_resume_on_a_hybrid_mesh(saved, pools, stage):
+    # the world-2 checkpoint loads onto 2 replicas of 2-rank shard groups; a checkpoint saved there (each replica
+    # group writes the same rows) resumes bit-exactly on the same mesh
+    directory, results = saved
+    for result in pools(4).run(checkpoint_scenarios.resume_on_a_mesh, str(directory), stage, (2, 2)):
+        assert _close(result["resharded"], results[0]["after"]), (result, results[0]["after"])
+        assert result["resumed"] == result["continued"]
+
+
 def test_checkpoints_move_between_fsdp2_and_fxshard(saved, pools):
     directory, results = saved
     for result in pools(3).run(checkpoint_scenarios.fsdp2_interop, str(directory)):
