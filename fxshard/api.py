@@ -145,6 +145,7 @@ class Backend:
         self.optimizer: torch.optim.Optimizer | None = None
         self.graphs: list[GraphRecord] = []
         self._graph_ids = itertools.count()
+        self._check_group_name = ""  # the group the consistency check compares over, set by prepare
 
     # -- preparing ----------------------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
@@ -166,8 +167,10 @@ class Backend:
             PREPARED_BY[tensor] = weakref.ref(self)
         model.__dict__[_BACKEND] = _KeepAlive(self)
         # every rank prepares at the same point: the consistency check's group is made here, not at a compile
-        prepare_check_group(next((spec_of(t).group_name for t in laid_out if spec_of(t) is not None), ""),
-                            self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
+        # (on a hybrid mesh over all of it: ranks of different shard groups meet in the replicas' all-reduce)
+        spec = next((spec_of(t) for t in laid_out if spec_of(t) is not None), None)
+        self._check_group_name = "" if spec is None else spec.mesh_group_name or spec.group_name
+        prepare_check_group(self._check_group_name, self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
         return model, self.optimizer
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -303,7 +306,7 @@ class Backend:
         gm = self._run(context, graph_id, kind, gm)
         compiled = inductor.compile(kind, gm, example_inputs) if inductor else make_boxed_func(gm.forward)
         # Before the graph first runs, every rank must have compiled the same collectives (fxshard.consistency).
-        check_same_schedule(gm, kind, graph_id, context.group_name)
+        check_same_schedule(gm, kind, graph_id, self._check_group_name or context.group_name)
         return explaining_peer_failures(compiled, f"the {kind} graph")
 
     # -- reporting ----------------------------------------------------------------------------------------------

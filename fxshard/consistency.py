@@ -88,6 +88,15 @@ def _is_collective(node: fx.Node) -> bool:
             and target._opname != "wait_tensor")
 
 
+def _group_of(node: fx.Node, meta: dict) -> str:
+    """fxshard's collectives by the mesh dimension they run over ("shard": the group parameters are sharded over,
+    a flat group too; "replicate"): the groups of one dimension have other names on other ranks of a hybrid mesh.
+    Any other collective by its group's name."""
+    if meta.get("role") in COLLECTIVE_ROLES:
+        return meta.get("across", "shard")
+    return str(marker_args(node).get("group_name", ""))
+
+
 def collective_schedule(gm: fx.GraphModule) -> list[ScheduledCollective]:
     """The collectives of a lowered graph, in the order the graph issues them (pure: reads the graph only)."""
     schedule = []
@@ -105,8 +114,7 @@ def collective_schedule(gm: fx.GraphModule) -> list[ScheduledCollective]:
             params=tuple(meta.get("params", ())),
             dtype=str(buffer.dtype).removeprefix("torch.") if isinstance(buffer, torch.Tensor) else "?",
             numel=shown,
-            # a hybrid mesh's replicate groups differ between the ranks of one shard group: named by dimension
-            group_name=meta.get("across") or str(marker_args(node).get("group_name", "")),
+            group_name=_group_of(node, meta),
         ))
     return schedule
 

@@ -16,6 +16,13 @@ def test_a_forward_that_branches_on_the_rank_fails_to_compile_on_every_rank(pool
                 "collectives per rank: rank 0: 2, rank 1: 3") in error, error
 
 
+def test_shard_groups_of_a_hybrid_mesh_that_compiled_different_graphs_fail_on_every_rank(pools):
+    errors = pools(4).run(consistency_scenarios.compile_a_forward_that_branches_between_shard_groups)
+    for rank, error in enumerate(errors):
+        assert error.startswith(f"rank {rank}: the ranks compiled different collective schedules"), error
+        assert "rank 0: all_gather of unit 'fc2'" in error and "rank 2: all_gather of unit 'extra'" in error, error
+
+
 def test_the_schedule_is_the_lowered_graphs_collectives_in_issue_order():
     backend = scenarios.compiled_model("mlp", stage=3)  # fake group: nothing is compared, the graphs are real
     backward = next(r.final for r in backend.graphs if r.kind == "backward")

@@ -35,5 +35,16 @@ def test_gpt_trains_on_gpus_like_a_single_process(nccl_pool, stage, compiler):
         assert result["compiled_graphs"] == [(0, "backward"), (0, "forward"), (0, "joint")]
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hybrid_mesh_trains_on_gpus(nccl_pool, stage):
+    gpus = nccl_pool.world_size
+    mesh_shape = (2, gpus // 2) if gpus % 2 == 0 else (1, gpus)  # (replicas, shard group size)
+    results = nccl_pool.run(scenarios.train_against_reference, "gpt", "adamw", STEPS, stage=stage, device="cuda",
+                            mesh_shape=mesh_shape)
+    for rank, result in enumerate(results):
+        assert_matches_reference(result, "adamw")
+        assert result["graph_devices"] == [f"cuda:{rank}"]
+
+
 def test_pool_reports_the_gpus_it_runs_on(nccl_pool):
     assert nccl_pool.run(torch.cuda.current_device) == list(range(nccl_pool.world_size))
