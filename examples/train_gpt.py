@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--stage 3]
     python examples/train_gpt.py [--steps 20] [--world-size 2] [--stage 3]   # spawns its own ranks
     python examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 10 [--resume]
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --mesh 2x2   # hybrid: 2 replicas of 2 shards
 
 Each rank trains on its own slice of every global batch of a character-level corpus; parameters, gradients and
 AdamW state live as flat shards. Rank 0 prints the loss per step (9 significant digits: the exact float32 value),
@@ -23,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -48,6 +50,16 @@ def batches(config: GPTConfig, per_rank: int, rank: int, world_size: int, genera
         yield windows[:, :-1], windows[:, 1:]
 
 
+def hybrid_mesh(shape: str | None, world_size: int):
+    """``--mesh RxS``: a 2-D mesh of R replicas of S-rank shard groups (docs/hybrid-sharding.md), or None."""
+    if shape is None:
+        return None
+    replicas, shards = (int(n) for n in shape.lower().split("x"))
+    if replicas * shards != world_size:
+        raise SystemExit(f"--mesh {shape} needs {replicas * shards} ranks, got {world_size}")
+    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+
+
 def train(args: argparse.Namespace) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model on every rank
@@ -55,15 +67,16 @@ def train(args: argparse.Namespace) -> None:
     model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
-    backend = fxshard.backend(stage=args.stage)
+    backend = fxshard.backend(stage=args.stage, mesh=hybrid_mesh(args.mesh, world_size))
     model, optimizer = backend.prepare(model, optimizer)
     step = model if args.eager else torch.compile(model, backend=backend, fullgraph=True)
 
     generator = torch.Generator().manual_seed(1)
     data = batches(config, args.batch_size, rank, world_size, generator)
     say = print if rank == 0 else (lambda *a, **k: None)
+    layout = f" as a {args.mesh} mesh (replicas x shard group)" if args.mesh else ""
     say(f"training GPT ({sum(p.numel() for p in GPT(config).parameters()):,} parameters) on {world_size} gloo "
-        f"ranks, ZeRO stage {args.stage}", flush=True)
+        f"ranks{layout}, ZeRO stage {args.stage}", flush=True)
     first_step = 0
     newest = fxshard.checkpoint.latest(args.checkpoint_dir) if args.resume and args.checkpoint_dir else None
     if newest is not None:
@@ -93,6 +106,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--mesh", help="hybrid sharding: RxS, R replicas of S-rank shard groups (R*S ranks)")
     parser.add_argument("--eager", action="store_true", help="run the prepared model without torch.compile")
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save checkpoints into DIR/step_<N>")
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")

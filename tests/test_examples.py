@@ -16,3 +16,13 @@ def test_custom_schedule_runs_under_torchrun():
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "all issued before the first wait" in run.stdout and run.stdout.rstrip().endswith("True"), run.stdout
+
+
+def test_train_gpt_trains_on_a_hybrid_mesh_under_torchrun():
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               str(ROOT / "examples" / "train_gpt.py"), "--mesh", "2x2", "--steps", "3"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "on 4 gloo ranks as a 2x2 mesh" in run.stdout and "step   2  loss" in run.stdout, run.stdout
+    assert "N=2, R=2" in run.stdout and "all_reduce over replicas" in run.stdout, run.stdout
