@@ -9,7 +9,9 @@ running it: it compiles a small stand-in (bias-free linear layers whose backward
 assumption) for each stage under a fake process group, takes the ledger's closed form from those graphs and
 evaluates it at your sizes. ``--mesh RxS`` is hybrid sharding: R replica groups of S ranks (e.g. 8 nodes of 8
 GPUs, 8x8); stages 1-3 shard over S and send each gradient shard across the R replicas, stage 0 all-reduces over
-all R*S ranks, and the bytes sent are split into the two dimensions. ``report`` runs a training script in this process (under ``torchrun``, once per rank)
+all R*S ranks, and the bytes sent are split into the two dimensions.
+
+``report`` runs a training script in this process (under ``torchrun``, once per rank)
 and prints each prepared backend's ledger beside the collective bytes measured in its last optimizer step (the
 script must run two or more: the first compiles, and the profiler also records the collectives that compiling
 traces on fake tensors).

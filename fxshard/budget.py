@@ -19,10 +19,10 @@ Nothing here is a table keyed by ZeRO stage. Every term comes from a node (or th
   copy the graph reads, and where a gradient arrives full but the master is a shard, by a reduce-scatter.
 
 Symbols: ``N`` (the ranks a parameter is sharded over: the world size, or a 2-D mesh's shard dimension), ``R``
-(hybrid sharding only: the replicas of each shard, the mesh's replicate dimension), one element count ``ψ[name]`` per trainable parameter (``Ψ`` is their sum), byte
-widths ``b_param`` (the copy the graph reads), ``b_grad``, ``b_master``, ``b_state``, and with dynamic shapes the
-graph's size symbols, named ``batch``/``seq`` after the model input dimension they come from. A shard of ``ψ`` elements holds ``ceiling(ψ/N)`` (flat padded
-sharding); :meth:`Ledger.closed_form` assumes N divides every parameter and writes the sum as Ψ.
+(hybrid sharding only: the replicas of each shard, the mesh's replicate dimension), one element count ``ψ[name]``
+per trainable parameter (``Ψ`` is their sum), byte widths ``b_param`` (the copy the graph reads), ``b_grad``,
+``b_master``, ``b_state``, and with dynamic shapes the graph's size symbols, named ``batch``/``seq`` after the model
+input dimension they come from. A shard of ``ψ`` elements holds ``ceiling(ψ/N)`` (flat padded sharding); :meth:`Ledger.closed_form` assumes N divides every parameter and writes the sum as Ψ.
 """
 
 from __future__ import annotations
