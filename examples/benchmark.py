@@ -103,8 +103,8 @@ CONFIGS = [
     # stage 0 all-reduces per module instead of its default DDP-sized buckets (25 MiB)
     Config("fxshard-0-layer-buckets", "fxshard", compiled=True, stage=0, options={"bucket": "layer"}),
     Config("fxshard-3-prefetch-users-group", "fxshard", compiled=True, stage=3, on_users_gloo_group=True),
-    # the default knobs through Inductor whatever --compiler says, to compare both compilers in one invocation
-    *(Config(f"fxshard-{stage}-inductor", "fxshard", compiled=True, stage=stage, options={"compiler": "inductor"})
+    # the default knobs run op by op whatever --compiler says, to compare both compilers in one invocation
+    *(Config(f"fxshard-{stage}-eager", "fxshard", compiled=True, stage=stage, options={"compiler": "eager"})
       for stage in fxshard.api.STAGES),
 ]
 BY_NAME = {config.name: config for config in CONFIGS}
@@ -456,8 +456,9 @@ def main() -> int:
                         help=f"comma-separated subset of {', '.join(BY_NAME)} (default: all)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
-    parser.add_argument("--compiler", choices=fxshard.api.COMPILERS, default="eager",
-                        help="fxshard's compiler; FSDP2+compile uses aot_eager with eager, inductor with inductor")
+    parser.add_argument("--compiler", choices=fxshard.api.COMPILERS, default=fxshard.api.DEFAULT_COMPILER,
+                        help="fxshard's compiler (default: fxshard's, inductor); FSDP2+compile uses aot_eager with "
+                        "eager, inductor with inductor")
     parser.add_argument("--skip-exposed", action="store_true",
                         help="skip the runs without communication (halves the time; exposed comm shows n/a)")
     parser.add_argument("--trace", metavar="DIR", help="write each configuration's profiled step as a Chrome trace "

@@ -67,7 +67,7 @@ def train(args: argparse.Namespace) -> None:
     model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
-    backend = fxshard.backend(stage=args.stage, mesh=hybrid_mesh(args.mesh, world_size))
+    backend = fxshard.backend(stage=args.stage, mesh=hybrid_mesh(args.mesh, world_size), compiler=args.compiler)
     model, optimizer = backend.prepare(model, optimizer)
     step = model if args.eager else torch.compile(model, backend=backend, fullgraph=True)
 
@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--mesh", help="hybrid sharding: RxS, R replicas of S-rank shard groups (R*S ranks)")
+    parser.add_argument("--compiler", choices=fxshard.api.COMPILERS, default=fxshard.api.DEFAULT_COMPILER,
+                        help="how the rewritten graphs run (default: inductor)")
     parser.add_argument("--eager", action="store_true", help="run the prepared model without torch.compile")
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save checkpoints into DIR/step_<N>")
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")

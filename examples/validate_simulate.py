@@ -44,7 +44,8 @@ def prepared_step(options: dict, rank: int, batch_size: int):
     torch.manual_seed(0)
     config = GPTConfig()
     model = GPT(config)
-    backend = fxshard.backend(**options)
+    # the simulator times the rewritten graph node by node: run it as it is, not fused by Inductor
+    backend = fxshard.backend(**{"compiler": "eager", **options})
     model, optimizer = backend.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     generator = torch.Generator().manual_seed(rank)

@@ -33,6 +33,9 @@ from .prepare import grad_sync_of, shard_parameters, spec_of
 
 STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
+# Inductor: faster than running the rewritten graphs op by op at stages 0, 1 and 3 and tied at stage 2 in two
+# invocations of examples/benchmark.py, with less peak memory at every stage (docs/benchmark.md, 2026-12-04)
+DEFAULT_COMPILER = "inductor"
 BUCKETS = ("layer", "block", "auto")
 
 # Every tensor a backend's prepare laid out (trainable leaves, the optimizer's shards) -> that backend, weakly;
@@ -113,7 +116,8 @@ class Backend:
     dimensions named ``"replicate"`` and ``"shard"``, hybrid sharding: stages 1-3 shard over the "shard" groups and
     average each shard's gradient over the "replicate" groups, stage 0 all-reduces over every rank of the mesh),
     ``passes`` (default: ``default_passes()``), ``compiler``
-    (``"eager"`` runs the rewritten graphs as they are, ``"inductor"`` compiles them), and the knobs every pass
+    (``"inductor"``, the default, compiles the rewritten graphs, as ``torch.compile``'s default backend would;
+    ``"eager"`` runs them op by op, as printed), and the knobs every pass
     reads, documented on ``fxshard.passes.PassContext``: ``reshard_after_forward``, ``bucket``, ``blocks``,
     ``prefetch``, ``max_inflight_gathers``, ``schedule``, ``memory_budget``, ``param_dtype``, ``reduce_dtype``,
     ``step_bucket_bytes``, ``collective_timeout_s``. An
@@ -127,7 +131,7 @@ class Backend:
         group=None,
         mesh=None,
         passes: Sequence[Pass] | None = None,
-        compiler: str = "eager",
+        compiler: str = DEFAULT_COMPILER,
         **knobs,
     ):
         if isinstance(stage, bool) or stage not in STAGES:
@@ -463,7 +467,7 @@ def _describe(backend: Backend | None) -> str:
     defaults = {f.name: f.default for f in dataclasses.fields(PassContext)}
     changed = [f"{k}={v!r}" for k, v in backend.knobs.items() if k != "bucket" and v != defaults.get(k)]
     options = ", ".join([f"stage={backend.stage}", *([f"compiler={backend.compiler!r}"]
-                                                     if backend.compiler != "eager" else []), *changed])
+                                                     if backend.compiler != DEFAULT_COMPILER else []), *changed])
     return f"fxshard.backend({options}) at {id(backend):#x}"
 
 

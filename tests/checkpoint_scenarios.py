@@ -61,7 +61,7 @@ def _prepared(stage: int, compiled: bool = False, mesh_shape: tuple | None = Non
     model = build_model("mlp")
     mesh = None if mesh_shape is None else torch.distributed.device_mesh.init_device_mesh(
         "cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-    backend = fxshard.backend(stage=stage, mesh=mesh)
+    backend = fxshard.backend(compiler="eager", stage=stage, mesh=mesh)
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
     return backend, model, opt, run
@@ -181,7 +181,7 @@ def misuse_is_refused(directory: str) -> dict:
     errors = {}
     torch._dynamo.reset()
     other = build_model("mlp_uneven")
-    backend = fxshard.backend(stage=3)
+    backend = fxshard.backend(compiler="eager", stage=3)
     other, other_opt = backend.prepare(other, make_optimizer("adamw", other.parameters()))
     before = [p.detach().clone() for p in other.parameters()]
     try:
@@ -255,7 +255,7 @@ def peak_during_save(directory: str, model_name: str = "layers") -> dict:
     rank, world = rank_and_world()
     torch._dynamo.reset()
     model = _model_for_memory(model_name)
-    backend = fxshard.backend(stage=3)
+    backend = fxshard.backend(compiler="eager", stage=3)
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     if model_name == "layers":
         model(torch.randn(4, LAYER_WIDTH)).square().mean().backward()

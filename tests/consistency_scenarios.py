@@ -33,7 +33,7 @@ def compile_a_forward_that_branches_between_shard_groups() -> str:
     rank, _ = rank_and_world()
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    backend = fxshard.backend(stage=3, mesh=mesh)
+    backend = fxshard.backend(compiler="eager", stage=3, mesh=mesh)
     model, _ = backend.prepare(BranchingMLP(takes_extra=rank >= 2))
     try:
         torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))
@@ -46,7 +46,7 @@ def compile_a_forward_that_branches_on_the_rank() -> str:
     """Rank 1's forward takes the extra layer, rank 0's does not; returns the error each rank's compile raised."""
     rank, _ = rank_and_world()
     torch.manual_seed(0)
-    backend = fxshard.backend(stage=3)
+    backend = fxshard.backend(compiler="eager", stage=3)
     model, _ = backend.prepare(BranchingMLP(takes_extra=rank == 1))
     try:
         torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))

@@ -132,7 +132,7 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
     torch._dynamo.reset()
     rank, world = rank_and_world()
     model = build_model("gpt")
-    backend = fxshard.backend(stage=3, **backend_options)
+    backend = fxshard.backend(compiler="eager", stage=3, **backend_options)
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     gc.collect()
     params = dict(model.named_parameters())
@@ -173,7 +173,7 @@ def state_dict_round_trip() -> dict:
     back."""
     model = build_model("mlp_uneven")
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    backend = fxshard.backend(stage=3)
+    backend = fxshard.backend(compiler="eager", stage=3)
     backend.prepare(model)
     gathered = full_state(model)
     replacement = {k: torch.full_like(v, float(i)) for i, (k, v) in enumerate(original.items())}
@@ -196,7 +196,7 @@ def profile_step(model_name: str, stage: int) -> dict:
 
     rank, world = rank_and_world()
     model = build_model(model_name)
-    backend = fxshard.backend(stage=stage)
+    backend = fxshard.backend(compiler="eager", stage=stage)
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True)
     generator = torch.Generator().manual_seed(rank)
@@ -233,7 +233,7 @@ def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int 
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer("sgd", reference.parameters())
-    backend = fxshard.backend(stage=stage)
+    backend = fxshard.backend(compiler="eager", stage=stage)
     model, opt = backend.prepare(model, make_optimizer("sgd", model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True)
     generator = torch.Generator().manual_seed(1)
@@ -281,7 +281,7 @@ def train_variants_against_reference(model_name: str, optimizer: str, variants: 
     for options in variants:
         torch._dynamo.reset()
         sharded = copy.deepcopy(build_model(model_name))
-        backend = fxshard.backend(**options)
+        backend = fxshard.backend(**{"compiler": "eager", **options})
         sharded, opt = backend.prepare(sharded, make_optimizer(optimizer, sharded.parameters()))
         run = torch.compile(sharded, backend=backend, fullgraph=True)
         for batch in batches:
@@ -312,7 +312,7 @@ def train_mixed_precision_against_reference(
     master = copy.deepcopy(model)
     master_opt = make_optimizer("sgd", master.parameters())
     torch._dynamo.reset()
-    backend = fxshard.backend(stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    backend = fxshard.backend(compiler="eager", stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     model, opt = backend.prepare(model, make_optimizer("sgd", model.parameters()))
     run = model if mode == "eager" else torch.compile(model, backend=backend, fullgraph=True)
     step = torch.compile(opt.step, backend=backend) if mode == "compiled step" else opt.step
@@ -446,7 +446,7 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
         model = _ledger_model(model_name)
         mesh = None if mesh_shape is None else torch.distributed.device_mesh.init_device_mesh(
             "cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-        backend = fxshard.backend(stage=stage, mesh=mesh)
+        backend = fxshard.backend(compiler="eager", stage=stage, mesh=mesh)
         model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
         run = _ledger_step(model_name, model, backend)
         step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
@@ -496,7 +496,7 @@ def resume_from_checkpoint(stage: int, steps_before: int = 2, steps_after: int =
 
     def prepared():
         model = build_model("gpt")
-        backend = fxshard.backend(stage=stage)
+        backend = fxshard.backend(compiler="eager", stage=stage)
         model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
         return model, opt, torch.compile(model, backend=backend, fullgraph=True)
 
@@ -542,7 +542,7 @@ def _trained_gpt(stage: int, steps: int):
     """A GPT prepared for ``stage`` on this world, after ``steps`` AdamW steps on the ranks' slices of one global
     batch stream (the same stream at any world size, as long as it divides the global batch)."""
     rank, world = rank_and_world()
-    backend = fxshard.backend(stage=stage)
+    backend = fxshard.backend(compiler="eager", stage=stage)
     model = build_model("gpt")
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True)
@@ -583,7 +583,7 @@ def compiled_model(model_name: str, stage: int, world: int = 2, **backend_option
 
     with fake_process_group(world):
         torch._dynamo.reset()
-        backend = fxshard.backend(stage=stage, **backend_options)
+        backend = fxshard.backend(compiler="eager", stage=stage, **backend_options)
         model = _ledger_model(model_name)
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         batch = _ledger_batch(model_name, torch.Generator().manual_seed(0))
@@ -624,7 +624,7 @@ def peer_fault(fault: str, timeout_s: float) -> dict:
 
     rank, world = rank_and_world()
     model = _FaultyMLP((1, 2, fault))
-    backend = fxshard.backend(stage=3, collective_timeout_s=timeout_s)
+    backend = fxshard.backend(compiler="eager", stage=3, collective_timeout_s=timeout_s)
     model, opt = backend.prepare(model, make_optimizer("sgd", model.parameters()))
     run = torch.compile(model, backend=backend)
     generator = torch.Generator().manual_seed(rank)
@@ -651,6 +651,6 @@ def worker_threads_of_groups() -> dict:
     from fxshard.prepare import spec_of
 
     model = build_model("mlp")
-    fxshard.backend(stage=3).prepare(model)
+    fxshard.backend(compiler="eager", stage=3).prepare(model)
     return {"user": gloo_worker_threads(torch.distributed.group.WORLD.group_name),
             "fxshard": gloo_worker_threads(spec_of(model.fc1._parameters["weight"]).group_name)}

@@ -24,7 +24,7 @@ def compile_gpt(stage=3, **options):
     torch._dynamo.reset()
     torch.manual_seed(0)
     with fake_process_group(2):
-        backend = fxshard.backend(stage=stage, **options)
+        backend = fxshard.backend(compiler="eager", stage=stage, **options)
         model, _ = backend.prepare(GPT())
         idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
         torch.compile(model, backend=backend, fullgraph=True)(idx, idx).backward()
@@ -127,7 +127,7 @@ def auto_grouping(model, *inputs) -> str:
     world of 2, stage 3): ``unit: parameters``."""
     torch._dynamo.reset()
     with fake_process_group(2):
-        backend = fxshard.backend(stage=3, bucket="auto", prefetch=0)
+        backend = fxshard.backend(compiler="eager", stage=3, bucket="auto", prefetch=0)
         model, _ = backend.prepare(model)
         torch.compile(model, backend=backend, fullgraph=True)(*inputs).sum().backward()
         forward = next(r for r in backend.graphs if r.kind == "forward").final
@@ -210,7 +210,7 @@ class TwoDtypes(nn.Module):
 def test_a_bucket_of_mixed_dtypes_is_one_collective_per_dtype():
     torch._dynamo.reset()
     with fake_process_group(2):
-        backend = fxshard.backend(stage=3, bucket="block", blocks=["block"], prefetch=0)
+        backend = fxshard.backend(compiler="eager", stage=3, bucket="block", blocks=["block"], prefetch=0)
         model, _ = backend.prepare(TwoDtypes())
         torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 4)).backward()
     graphs = {r.kind: r.final for r in backend.graphs if r.kind in ("forward", "backward")}

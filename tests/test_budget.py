@@ -89,7 +89,7 @@ def test_dynamic_shapes_name_the_batch_and_sequence_dimensions():
 
     with fake_process_group(2):
         torch._dynamo.reset()
-        backend = fxshard.backend(stage=3)
+        backend = fxshard.backend(compiler="eager", stage=3)
         model = scenarios.Chain()
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         run = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)

@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent('''
     import fxshard
     from examples.models import MLP
     dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-    backend = fxshard.backend(stage=3)
+    backend = fxshard.backend(compiler="eager", stage=3)
     model = MLP()
     model, opt = backend.prepare(model, torch.optim.AdamW(model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True)

@@ -19,7 +19,7 @@ def fake_world():
 @pytest.mark.parametrize("stage", [-1, 4, "3", None])
 def test_stage_outside_0_to_3(stage):
     with pytest.raises(fxshard.FxShardError, match="stage must be one of 0, 1, 2, 3"):
-        fxshard.backend(stage=stage)
+        fxshard.backend(compiler="eager", stage=stage)
 
 
 def test_unknown_compiler():
@@ -40,23 +40,23 @@ def test_unknown_compiler():
 ])
 def test_bad_backend_options(options, message):
     with pytest.raises(fxshard.FxShardError, match=message):
-        fxshard.backend(stage=3, **options)
+        fxshard.backend(compiler="eager", stage=3, **options)
 
 
 def test_prepare_without_process_group():
     assert not torch.distributed.is_initialized()
     with pytest.raises(fxshard.FxShardError, match="init_process_group"):
-        fxshard.backend(stage=3).prepare(MLP())
+        fxshard.backend(compiler="eager", stage=3).prepare(MLP())
 
 
 def test_compiling_an_unprepared_model(fake_world):
-    compiled = torch.compile(MLP(), backend=fxshard.backend(stage=3), fullgraph=True)
+    compiled = torch.compile(MLP(), backend=fxshard.backend(compiler="eager", stage=3), fullgraph=True)
     with pytest.raises(fxshard.FxShardError, match=r"did not shard \(L\['self'\]._modules\['fc1'\]"):
         compiled(torch.randn(4, 8))
 
 
 def test_parameter_replaced_after_prepare_compiled(fake_world):
-    backend = fxshard.backend(stage=3)
+    backend = fxshard.backend(compiler="eager", stage=3)
     model, _ = backend.prepare(MLP())
     model.fc2.weight = nn.Parameter(torch.randn(5, 16))
     with pytest.raises(fxshard.FxShardError, match=r"_modules\['fc2'\]._parameters\['weight'\].*backend.prepare"):
@@ -64,7 +64,7 @@ def test_parameter_replaced_after_prepare_compiled(fake_world):
 
 
 def test_parameter_replaced_after_prepare_eager(fake_world):
-    model, _ = fxshard.backend(stage=3).prepare(MLP())
+    model, _ = fxshard.backend(compiler="eager", stage=3).prepare(MLP())
     model.fc1.weight = nn.Parameter(torch.randn(16, 8))
     with pytest.raises(fxshard.FxShardError, match="fc1.weight was replaced after prepare"):
         model(torch.randn(4, 8))
@@ -79,7 +79,7 @@ class GrowingMLP(MLP):
 
 
 def test_layer_added_after_prepare(fake_world):
-    backend = fxshard.backend(stage=3)
+    backend = fxshard.backend(compiler="eager", stage=3)
     model, _ = backend.prepare(GrowingMLP())
     model.head = nn.Linear(5, 3)
     with pytest.raises(fxshard.FxShardError, match=r"_modules\['head'\]"):
@@ -87,7 +87,7 @@ def test_layer_added_after_prepare(fake_world):
 
 
 def test_prepare_twice(fake_world):
-    backend = fxshard.backend(stage=3)
+    backend = fxshard.backend(compiler="eager", stage=3)
     model, _ = backend.prepare(MLP())
     with pytest.raises(fxshard.FxShardError, match="already prepared"):
         backend.prepare(model)
@@ -96,19 +96,19 @@ def test_prepare_twice(fake_world):
 def test_unsupported_optimizer(fake_world):
     model = MLP()
     with pytest.raises(fxshard.FxShardError, match="LBFGS is not supported.*elementwise"):
-        fxshard.backend(stage=3).prepare(model, torch.optim.LBFGS(model.parameters()))
+        fxshard.backend(compiler="eager", stage=3).prepare(model, torch.optim.LBFGS(model.parameters()))
 
 
 def test_optimizer_over_other_tensors(fake_world):
     model = MLP()
     stray = nn.Parameter(torch.zeros(3))
     with pytest.raises(fxshard.FxShardError, match="not parameters of the prepared model"):
-        fxshard.backend(stage=3).prepare(model, torch.optim.SGD([*model.parameters(), stray], lr=0.1))
+        fxshard.backend(compiler="eager", stage=3).prepare(model, torch.optim.SGD([*model.parameters(), stray], lr=0.1))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_converting_a_model_after_prepare(fake_world, stage):
-    model, opt = fxshard.backend(stage=stage).prepare(MLP(), None)
+    model, opt = fxshard.backend(compiler="eager", stage=stage).prepare(MLP(), None)
     with pytest.raises(fxshard.FxShardError, match="convert the model before backend.prepare"):
         model.double()
     with pytest.raises(fxshard.FxShardError, match="convert the model before backend.prepare"):
@@ -122,7 +122,7 @@ def test_parameters_on_the_meta_device_are_refused_at_prepare():
         model = MLP()
     with pytest.raises(fxshard.FxShardError, match=r"parameter fc1.weight \(shape \[16, 8\]\) is on the meta device"
                                                    r".*model.to_empty\(device=...\) then initialise it"):
-        fxshard.backend(stage=3).prepare(model)
+        fxshard.backend(compiler="eager", stage=3).prepare(model)
 
 
 def test_compiling_with_another_backend_than_the_one_that_prepared(fake_world):
@@ -137,7 +137,7 @@ def test_compiling_with_another_backend_than_the_one_that_prepared(fake_world):
 
 
 def test_the_registered_backend_compiles_with_the_backend_that_prepared(fake_world):
-    backend = fxshard.backend(stage=3)
+    backend = fxshard.backend(compiler="eager", stage=3)
     model, _ = backend.prepare(MLP())
     with pytest.raises(fxshard.FxShardError, match=r"the options contradict it: stage=2 \(prepared with 3\)"):
         torch.compile(model, backend="fxshard", options={"stage": 2}, fullgraph=True)(torch.randn(4, 8))

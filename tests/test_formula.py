@@ -50,7 +50,7 @@ def gpt_ledger():
     torch._dynamo.reset()
     torch.manual_seed(0)
     with fake_process_group(2):
-        backend = fxshard.backend(stage=3)
+        backend = fxshard.backend(compiler="eager", stage=3)
         model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, d_model=64))
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         tokens = torch.randint(0, 128, (8, 33))

@@ -15,7 +15,7 @@ from fxshard.testing import assert_graph_snapshot, fake_process_group
 def compile_and_step(model, *inputs, stage=3, **options):
     """Prepare under a fake world of 2, run one compiled forward + backward, return the backend."""
     torch._dynamo.reset()
-    backend = fxshard.backend(stage=stage, **options)
+    backend = fxshard.backend(compiler="eager", stage=stage, **options)
     model, _ = backend.prepare(model)
     torch.compile(model, backend=backend, fullgraph=True)(*inputs).sum().backward()
     return backend
@@ -152,7 +152,7 @@ def test_tied_embedding_is_one_shard_gathered_per_use_site_and_reduced_once():
 def test_inference_graph_is_lowered():
     with fake_process_group(2):
         torch._dynamo.reset()
-        backend = fxshard.backend(stage=3)
+        backend = fxshard.backend(compiler="eager", stage=3)
         model, _ = backend.prepare(MLP())
         with torch.no_grad():
             torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))

@@ -91,7 +91,7 @@ def _compiled_on_fake_mesh(stage: int, **options):
     with fake_process_group(4):
         torch._dynamo.reset()
         mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("replicate", "shard"))
-        backend = fxshard.backend(stage=stage, mesh=mesh, **options)
+        backend = fxshard.backend(compiler="eager", stage=stage, mesh=mesh, **options)
         model = scenarios._ledger_model("chain")
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         batch = scenarios._ledger_batch("chain", torch.Generator().manual_seed(0))
@@ -211,25 +211,25 @@ def test_a_mesh_with_other_dimension_names_is_refused(mesh_dims, problem):
     with fake_process_group(4):
         mesh = init_device_mesh("cpu", MESH, mesh_dim_names=mesh_dims)
         with pytest.raises(fxshard.FxShardError, match=problem.replace("(", r"\(").replace(")", r"\)")):
-            fxshard.backend(stage=3, mesh=mesh)
+            fxshard.backend(compiler="eager", stage=3, mesh=mesh)
 
 
 def test_a_mesh_and_a_group_together_or_3_dimensions_are_refused():
     with fake_process_group(8):
         flat = init_device_mesh("cpu", (8,))
         with pytest.raises(fxshard.FxShardError, match="a group or a mesh, not both"):
-            fxshard.backend(stage=3, mesh=flat, group=flat.get_group())
+            fxshard.backend(compiler="eager", stage=3, mesh=flat, group=flat.get_group())
         cube = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
         with pytest.raises(fxshard.FxShardError, match="1-D .* or 2-D"):
-            fxshard.backend(stage=3, mesh=cube)
+            fxshard.backend(compiler="eager", stage=3, mesh=cube)
         with pytest.raises(fxshard.FxShardError, match="DeviceMesh"):
-            fxshard.backend(stage=3, mesh=(2, 4))
+            fxshard.backend(compiler="eager", stage=3, mesh=(2, 4))
 
 
 def test_a_1d_mesh_is_its_group():
     with fake_process_group(2):
         mesh = init_device_mesh("cpu", (2,))
-        backend = fxshard.backend(stage=3, mesh=mesh)
+        backend = fxshard.backend(compiler="eager", stage=3, mesh=mesh)
         model, _ = backend.prepare(scenarios._ledger_model("chain"))
         spec = spec_of(next(model.parameters()))
         assert spec.world_size == 2 and spec.replicate_size == 1 and spec.replicate_group_name == ""

@@ -53,7 +53,7 @@ def test_reduce_dtype_none_averages_in_the_compute_dtype(pools):
 def test_shards_are_cast_before_they_travel_and_gradients_reduced_in_reduce_dtype():
     with fake_process_group(2):
         torch._dynamo.reset()
-        backend = fxshard.backend(stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        backend = fxshard.backend(compiler="eager", stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model, _ = backend.prepare(MLP())
         out = torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))
         out.sum().backward()

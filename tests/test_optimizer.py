@@ -56,7 +56,7 @@ def test_full_optimizer_state_dict_moves_across_world_sizes_and_stages(pools, tm
 
 def test_full_optimizer_state_dict_of_another_model_is_refused():
     with fake_process_group(2):
-        backend = fxshard.backend(stage=3)
+        backend = fxshard.backend(compiler="eager", stage=3)
         model = MLP()
         _, opt = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         names = [spec_of(p).name for p in opt.param_groups[0]["params"]]
@@ -67,13 +67,13 @@ def test_full_optimizer_state_dict_of_another_model_is_refused():
             backend.load_full_optimizer_state_dict({"state": wrong_shape, "param_groups": [{"params": names}]})
         assert opt.param_groups[0]["lr"] != 1.0 and not opt.state  # refused before anything changed
     with pytest.raises(fxshard.FxShardError, match="full_optimizer_state_dict needs the optimizer"):
-        fxshard.backend(stage=3).full_optimizer_state_dict()
+        fxshard.backend(compiler="eager", stage=3).full_optimizer_state_dict()
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stepping_another_optimizer_over_a_prepared_model_is_refused(stage):
     with fake_process_group(2):
-        model, _ = fxshard.backend(stage=stage).prepare(MLP())
+        model, _ = fxshard.backend(compiler="eager", stage=stage).prepare(MLP())
         with pytest.raises(fxshard.FxShardError, match="not the one backend.prepare returned"):
             torch.optim.SGD(model.parameters(), lr=0.1).step()
 
@@ -82,7 +82,7 @@ def test_an_optimizer_over_the_parameters_prepare_replaced_is_refused():
     with fake_process_group(2):
         model = MLP()
         stale = torch.optim.SGD(model.parameters(), lr=0.1)  # built before prepare, and not passed to it
-        fxshard.backend(stage=3).prepare(model)
+        fxshard.backend(compiler="eager", stage=3).prepare(model)
         with pytest.raises(fxshard.FxShardError, match="replaced by its shard"):
             stale.step()
         torch.optim.SGD(model.parameters(), lr=0.1).step()  # stage 3's shard leaves need nothing from the step
@@ -91,7 +91,7 @@ def test_an_optimizer_over_the_parameters_prepare_replaced_is_refused():
 @pytest.mark.parametrize("stage", [0, 1])
 def test_load_state_dict_of_full_parameter_stages(stage):
     with fake_process_group(2, rank=1):
-        model, _ = fxshard.backend(stage=stage).prepare(MLP())
+        model, _ = fxshard.backend(compiler="eager", stage=stage).prepare(MLP())
         replacement = {k: torch.full_like(v, float(i)) for i, (k, v) in enumerate(model.state_dict().items())}
         model.load_state_dict(replacement)
         for name, value in model.state_dict().items():
@@ -108,7 +108,7 @@ def test_step_buckets_pack_parameters_in_order_up_to_the_cap():
     with fake_process_group(2):
         shards = {}
         for cap, param_dtype in ((1 << 20, None), (300, None), (1 << 20, torch.bfloat16)):
-            backend = fxshard.backend(stage=2, step_bucket_bytes=cap, param_dtype=param_dtype)
+            backend = fxshard.backend(compiler="eager", stage=2, step_bucket_bytes=cap, param_dtype=param_dtype)
             model = MLP()
             model.fc2.bias.data = model.fc2.bias.data.double()  # a second dtype: a bucket holds one
             _, opt = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -145,7 +145,7 @@ def test_compiled_optimizer_step_trains_like_the_eager_one(pools, stage):
 def _optimizer_graphs(stage: int):
     with fake_process_group(2):
         torch._dynamo.reset()
-        backend = fxshard.backend(stage=stage)
+        backend = fxshard.backend(compiler="eager", stage=stage)
         model = MLP()
         model, opt = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8)).sum().backward()

@@ -15,7 +15,7 @@ def test_parameters_become_padded_flat_shards_under_their_own_names():
     with fake_process_group(3, rank=2):
         model = MLP(d_in=7, d_hidden=11, d_out=5)
         names = [n for n, _ in model.named_parameters()]
-        model, _ = fxshard.backend(stage=3).prepare(model)
+        model, _ = fxshard.backend(compiler="eager", stage=3).prepare(model)
         params = dict(model.named_parameters())
     assert list(params) == names
     assert params["fc1.weight"].shape == (26,)  # 77 elements: 26 per rank, the last rank holds 1 padding
@@ -37,7 +37,7 @@ def test_state_dict_is_full_and_unpadded_and_loads_full_tensors(pools):
 
 def test_tied_parameter_is_one_shard():
     with fake_process_group(2):
-        model, _ = fxshard.backend(stage=3).prepare(GPT())
+        model, _ = fxshard.backend(compiler="eager", stage=3).prepare(GPT())
         assert model.tok_emb._parameters["weight"] is model.lm_head._parameters["weight"]
         assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
 
@@ -46,7 +46,7 @@ def test_buffers_stay_replicated():
     with fake_process_group(2):
         model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
         running_mean = model[1].running_mean
-        model, _ = fxshard.backend(stage=3).prepare(model)
+        model, _ = fxshard.backend(compiler="eager", stage=3).prepare(model)
         assert model[1].running_mean is running_mean and running_mean.shape == (6,)
 
 
@@ -55,7 +55,7 @@ def test_frozen_parameters_are_sharded_and_get_no_reduce_scatter():
         torch._dynamo.reset()
         model = MLP()
         model.fc1.requires_grad_(False)
-        backend = fxshard.backend(stage=3)
+        backend = fxshard.backend(compiler="eager", stage=3)
         model, _ = backend.prepare(model)
         assert model.fc1._parameters["weight"].shape == (64,)
         assert not model.fc1._parameters["weight"].requires_grad
@@ -74,7 +74,7 @@ def test_optimizer_keeps_class_groups_and_hyperparameters():
             [{"params": model.fc1.parameters(), "lr": 0.1}, {"params": model.fc2.parameters()}],
             lr=0.01, betas=(0.8, 0.9), weight_decay=0.3,
         )
-        model, sharded = fxshard.backend(stage=3).prepare(model, opt)
+        model, sharded = fxshard.backend(compiler="eager", stage=3).prepare(model, opt)
     assert type(sharded) is torch.optim.AdamW
     assert [g["lr"] for g in sharded.param_groups] == [0.1, 0.01]
     assert all(g["betas"] == (0.8, 0.9) and g["weight_decay"] == 0.3 for g in sharded.param_groups)
@@ -88,7 +88,7 @@ def test_existing_optimizer_state_is_sharded_not_lost():
         model(torch.randn(3, 8)).sum().backward()
         opt.step()
         momentum = opt.state[model.fc2.weight]["momentum_buffer"].clone()
-        model, sharded = fxshard.backend(stage=3).prepare(model, opt)
+        model, sharded = fxshard.backend(compiler="eager", stage=3).prepare(model, opt)
         shard_state = sharded.state[model.fc2._parameters["weight"]]["momentum_buffer"]
     assert torch.equal(shard_state, momentum.flatten()[40:80])  # rank 1 of 2: the second half of 80 elements
 
@@ -96,6 +96,6 @@ def test_existing_optimizer_state_is_sharded_not_lost():
 def test_registered_backend_name():
     with fake_process_group(2):
         torch._dynamo.reset()
-        model, _ = fxshard.backend(stage=3).prepare(MLP())
+        model, _ = fxshard.backend(compiler="eager", stage=3).prepare(MLP())
         out = torch.compile(model, backend="fxshard", options={"stage": 3}, fullgraph=True)(torch.randn(4, 8))
         assert out.shape == (4, 5)

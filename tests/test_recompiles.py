@@ -16,7 +16,7 @@ def test_varying_batch_and_sequence_compile_one_dynamic_graph():
     counters.clear()
     torch.manual_seed(0)
     with fake_process_group(2):  # the graphs, not the numbers
-        backend = fxshard.backend(stage=3)
+        backend = fxshard.backend(compiler="eager", stage=3)
         model = GPT(GPTConfig(n_layer=1))
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         compiled = torch.compile(model, backend=backend)

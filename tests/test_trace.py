@@ -16,7 +16,7 @@ import torch, fxshard
 from fxshard.testing import fake_process_group
 from scenarios import build_model
 with fake_process_group(2):
-    backend = fxshard.backend(stage=3)
+    backend = fxshard.backend(compiler="eager", stage=3)
     model, _ = backend.prepare(build_model("mlp"))
     torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
 """
