@@ -12,6 +12,9 @@ Costs:
   one node of an eager-compiled graph);
 - ring collective on N ranks with a full buffer of B bytes: all-gather and reduce-scatter take
   ``collective_overhead + (N-1)·latency + (N-1)/N·B/bandwidth``, all-reduce two such ring passes (one overhead);
+- hybrid mesh (R replica groups of S shard ranks): the all-reduce of each gradient shard across the replicas
+  (meta ``across == "replicate"``; stage 1's in the optimizer step) runs on R ranks and the inter-group network
+  (``replicate_latency``, ``replicate_bandwidth``), every other collective on the ``world`` ranks simulated (S);
 - ``step_overhead`` seconds per step on the compute stream, after the graphs: what a step runs outside them (the
   autograd engine, the compiled function's wrappers and guards, the optimizer's update, ``zero_grad``);
 - data parallelism with a fixed batch per rank (weak scaling): compute and the full buffers do not change with N,
@@ -62,6 +65,18 @@ class Machine:
     step_overhead: float = 0.0
     """Seconds per step outside the graphs: autograd engine, compiled-function wrappers, optimizer update,
     zero_grad."""
+    replicate_bandwidth: float | None = None
+    """Bytes/s per rank on the ring across the replica groups of a hybrid mesh (often a slower inter-node network);
+    None: ``bandwidth``."""
+    replicate_latency: float | None = None
+    """Seconds per ring hop across the replica groups of a hybrid mesh; None: ``latency``."""
+
+    def across_replicas(self) -> Machine:
+        """This machine with the inter-group network as its ring: what a collective across the replicas of a hybrid
+        mesh runs on (the per-collective overhead is the host's, the same on either network)."""
+        return dataclasses.replace(
+            self, bandwidth=self.bandwidth if self.replicate_bandwidth is None else self.replicate_bandwidth,
+            latency=self.latency if self.replicate_latency is None else self.replicate_latency)
 
 
 @dataclasses.dataclass
@@ -112,6 +127,18 @@ def _role(node: fx.Node) -> str | None:
     return node.meta.get("fxshard", {}).get("role")
 
 
+def _replicas(node: fx.Node) -> int | None:
+    """The ranks a collective across the replicas of a hybrid mesh runs over; None for one over the shard group."""
+    meta = node.meta.get("fxshard", {})
+    return meta["ranks"] if meta.get("across") == "replicate" else None
+
+
+def _ring(replicas: int | None, world: int, machine: Machine) -> tuple[int, Machine]:
+    """(ranks, machine) a collective is timed on: ``replicas`` ranks on the inter-group network when it runs across
+    the replicas of a hybrid mesh, else the ``world`` ranks simulated on the ring's own figures."""
+    return (world, machine) if replicas is None else (replicas, machine.across_replicas())
+
+
 def _unit(node: fx.Node) -> str:
     """The fxshard unit of a node the passes made, else the innermost module Dynamo traced it in."""
     unit = node.meta.get("fxshard", {}).get("unit")
@@ -125,7 +152,7 @@ def _unit(node: fx.Node) -> str:
 def _full_bytes(node: fx.Node, kind: str) -> float:
     if kind == "all_gather":
         return tensor_bytes(node.meta.get("val"))  # the gathered output
-    return tensor_bytes(node.args[0].meta.get("val"))  # what is reduced
+    return tensor_bytes(node.args[0].meta.get("val"))  # what is reduced (across replicas: the gradient shard)
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -146,7 +173,7 @@ def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, 
         role = _role(node)
         if role in COLLECTIVE_ROLES:
             begin = max(compute_at, comm_at)
-            seconds = collective_seconds(role, _full_bytes(node, role), world, machine)
+            seconds = collective_seconds(role, _full_bytes(node, role), *_ring(_replicas(node), world, machine))
             comm_at = done[node] = begin + seconds
             busy_comm += seconds
             events.append(Event(name, node.name, "comm", begin, comm_at, _unit(node)))
@@ -161,9 +188,10 @@ def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, 
     return max(compute_at, comm_at), busy_compute, busy_comm, events
 
 
-def _graphs_of(source) -> tuple[list[tuple[str, fx.GraphModule]], list[tuple[str, float]]]:
-    """(name, graph) pairs of one step in execution order, and the optimizer step's collectives (kind, bytes)."""
-    from .budget import Ledger, ledger as ledger_of
+def _graphs_of(source) -> tuple[list[tuple[str, fx.GraphModule]], list[tuple[str, float, int | None]]]:
+    """(name, graph) pairs of one step in execution order, and the optimizer step's collectives (kind, full bytes,
+    replicas: the ranks of one across the replicas of a hybrid mesh, else None)."""
+    from .budget import R, Ledger, ledger as ledger_of
 
     if isinstance(source, fx.GraphModule):
         return [("graph", source)], []
@@ -189,7 +217,7 @@ def _graphs_of(source) -> tuple[list[tuple[str, fx.GraphModule]], list[tuple[str
         for term in ledger.select("comm"):
             if term.source.startswith("optimizer step"):
                 full = ledger.at(term.bytes) * (ledger.at(N) if term.item == "all_gather" else 1)
-                step.append((term.item, full))
+                step.append((term.item, full, ledger.at(R) if term.ranks == R else None))
     return order, step
 
 
@@ -198,7 +226,9 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
     """Predict one training step on ``world`` ranks from the rewritten graphs of ``source`` (a backend that ran
     a step, or GraphModules): ``bandwidth`` bytes/s per rank, ``latency`` seconds per ring hop, ``flops`` FLOP/s
     per rank override ``machine``'s (see :class:`Machine`, :func:`calibrate`). The step is the graphs in order,
-    then the optimizer step's collectives, then ``machine.step_overhead``."""
+    then the optimizer step's collectives, then ``machine.step_overhead``. On a hybrid mesh ``world`` is the shard
+    group's size; the all-reduces across the replicas run over the mesh's replicas, on
+    ``machine.replicate_bandwidth`` and ``replicate_latency`` (where None, the ring's, overrides included)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise FxShardError(f"world must be a positive number of ranks, got {world!r}")
     machine = machine or Machine()
@@ -216,8 +246,8 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
         compute += busy_compute
         comm += busy_comm
         events += graph_events
-    for kind, full_bytes in step_collectives:  # eager, one after another, nothing to hide behind
-        seconds = collective_seconds(kind, full_bytes, world, machine)
+    for kind, full_bytes, replicas in step_collectives:  # eager, one after another, nothing to hide behind
+        seconds = collective_seconds(kind, full_bytes, *_ring(replicas, world, machine))
         events.append(Event("optimizer step", kind, "comm", clock, clock + seconds))
         clock += seconds
         comm += seconds

@@ -20,6 +20,7 @@ def stage3():
 
 
 SLOW_NET = Machine(flops_per_s=1e6, memory_bandwidth=1e7, bandwidth=1e5, latency=1e-4)
+WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def test_free_network_exposes_nothing(stage3):
@@ -209,6 +210,156 @@ def test_the_simulated_step_is_a_chrome_trace_with_a_compute_and_a_communication
     assert max(e["ts"] + e["dur"] for e in nodes) == pytest.approx(timeline.step_time * 1e6)
     for a, b in zip(comm, comm[1:]):  # one communication stream: its collectives never overlap
         assert b["ts"] >= a["ts"] + a["dur"] - 1e-6
+
+
+# -- hybrid mesh: the replicas' all-reduce on its own network ----------------------------------------------------
+
+def hybrid_model(stage: int, replicas: int = 2, shards: int = 2):
+    """The backend after one forward and backward of the Chain with AdamW on a ``replicas`` x ``shards`` mesh of a
+    fake process group (single process: its graphs, not its numbers)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxshard.testing import fake_process_group
+
+    with fake_process_group(replicas * shards):
+        torch._dynamo.reset()
+        mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+        backend = fxshard.backend(stage=stage, mesh=mesh, bucket="layer", compiler="eager")
+        model = scenarios._ledger_model("chain")
+        model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
+        batch = scenarios._ledger_batch("chain", torch.Generator().manual_seed(0))
+        scenarios.loss_of("chain", torch.compile(model, backend=backend, fullgraph=True), batch).backward()
+        return backend
+
+
+R, S = 2, 2  # the mesh the hybrid backends compiled on
+WORLD = 8  # the shard group simulated: not R, so that a collective timed over the wrong group shows
+SLOW_REPLICAS = dataclasses.replace(SLOW_NET, replicate_bandwidth=1e3, replicate_latency=1e-2)
+INTER_GROUP = Machine(bandwidth=1e3, latency=1e-2)  # SLOW_REPLICAS's inter-group network as a ring of its own
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return {stage: hybrid_model(stage, R, S) for stage in (1, 3)}
+
+
+def _collectives(backend) -> dict[str, torch.fx.Node]:
+    return {node.name: node for gm in _graphs(backend) for node in gm.graph.nodes
+            if node.meta.get("fxshard", {}).get("role") in COLLECTIVE_ROLES}
+
+
+def _across_replicas(node: torch.fx.Node) -> bool:
+    return node.meta.get("fxshard", {}).get("across") == "replicate"
+
+
+def _durations(timeline, stream: str) -> dict[tuple[str, str], float]:
+    return {(e.graph, e.node): e.end - e.start for e in timeline.events if e.stream == stream}
+
+
+def _bytes(value: torch.Tensor) -> int:
+    return value.numel() * value.element_size()
+
+
+def test_the_replicas_all_reduce_is_a_ring_all_reduce_of_the_gradient_shard_over_r_ranks(hybrid):
+    """With the inter-group figures unset (or equal to the ring's), each all-reduce across the replicas takes the
+    ring formula for an all-reduce of its gradient shard over R ranks; every other collective the formula over the
+    ``world`` ranks simulated, as on one group."""
+    collectives = _collectives(hybrid[3])
+    across = {name: node for name, node in collectives.items() if _across_replicas(node)}
+    assert across and {node.meta["fxshard"]["ranks"] for node in across.values()} == {R}
+    shard_of = {node.meta["fxshard"]["unit"]: _bytes(node.args[0].meta["val"]) / S for node in collectives.values()
+                if node.meta["fxshard"]["role"] == "reduce_scatter"}
+    assert {node.meta["fxshard"]["unit"]: _bytes(node.args[0].meta["val"]) for node in across.values()} == shard_of
+    timeline = simulate(hybrid[3], WORLD, machine=SLOW_NET)
+    equal = dataclasses.replace(SLOW_NET, replicate_bandwidth=SLOW_NET.bandwidth, replicate_latency=SLOW_NET.latency)
+    assert simulate(hybrid[3], WORLD, machine=equal) == timeline
+    durations = {name: seconds for (_, name), seconds in _durations(timeline, "comm").items()}
+    assert durations.keys() == collectives.keys()
+    for name, node in collectives.items():
+        role = node.meta["fxshard"]["role"]
+        full = _bytes(node.meta["val"] if role == "all_gather" else node.args[0].meta["val"])
+        expected = collective_seconds(role, full, R if name in across else WORLD, SLOW_NET)
+        assert durations[name] == pytest.approx(expected), name
+
+
+def test_only_the_replicas_all_reduces_take_the_inter_group_figures(hybrid):
+    collectives = _collectives(hybrid[3])
+    base = simulate(hybrid[3], WORLD, machine=SLOW_NET)
+    slow = simulate(hybrid[3], WORLD, machine=SLOW_REPLICAS)
+    assert _durations(slow, "compute") == pytest.approx(_durations(base, "compute"))
+    before = _durations(base, "comm")
+    for (graph, name), seconds in _durations(slow, "comm").items():
+        node = collectives[name]
+        if _across_replicas(node):
+            assert seconds == pytest.approx(collective_seconds("all_reduce", _bytes(node.args[0].meta["val"]), R,
+                                                               INTER_GROUP))
+            assert seconds > before[graph, name]
+        else:
+            assert seconds == pytest.approx(before[graph, name]), name
+    free_ring = simulate(hybrid[3], WORLD, machine=dataclasses.replace(SLOW_REPLICAS, bandwidth=1e30, latency=0.0))
+    across = {key for key in before if _across_replicas(collectives[key[1]])}
+    assert {key: _durations(free_ring, "comm")[key] for key in across} == pytest.approx(
+        {key: _durations(slow, "comm")[key] for key in across})
+
+
+def _compute_between_all_reduce_and_wait(backend, machine: Machine) -> list[tuple[torch.fx.Node, float]]:
+    """Each all-reduce across the replicas and the compute seconds the graph runs between it and its wait; checks
+    that none overlaps another or waits, before its own wait, on a collective queued behind it."""
+    gaps = []
+    for gm in _graphs(backend):
+        issued, behind, gap, computing = None, set(), 0.0, set(compute_nodes(gm))
+        for node in gm.graph.nodes:
+            if issued is not None and node.op == "call_function" and node.target is WAIT:
+                if node.args[0] is issued:
+                    gaps.append((issued, gap))
+                    issued = None
+                assert node.args[0] not in behind, f"{node.name} waits behind {issued.name}"
+            elif node.meta.get("fxshard", {}).get("role") in COLLECTIVE_ROLES:
+                if _across_replicas(node):
+                    assert issued is None, f"{node.name} overlaps {issued.name}"
+                    issued, behind, gap = node, set(), 0.0
+                elif issued is not None:
+                    behind.add(node)
+            elif issued is not None and node in computing:
+                gap += compute_seconds(node, machine)
+    return gaps
+
+
+def test_a_slow_inter_group_network_slows_the_step_by_what_compute_does_not_cover(hybrid):
+    """With a free shard-group network only the replicas' all-reduces take time: each is exposed by what the compute
+    the graph runs between it and its wait does not cover, and the step is its compute plus those parts."""
+    free_ring = dataclasses.replace(SLOW_NET, bandwidth=1e30, latency=0.0)
+    gaps = _compute_between_all_reduce_and_wait(hybrid[3], free_ring)
+    assert len(gaps) == len([n for n in _collectives(hybrid[3]).values() if _across_replicas(n)]) > 0
+    assert any(gap > 0 for _, gap in gaps)  # the schedule puts compute behind at least one of them
+    timelines = []
+    for replicate_bandwidth in (1e30, 1e4, 1e2):
+        machine = dataclasses.replace(free_ring, replicate_bandwidth=replicate_bandwidth, replicate_latency=1e-4)
+        timeline = simulate(hybrid[3], WORLD, machine=machine)
+        all_reduces = [collective_seconds("all_reduce", _bytes(node.args[0].meta["val"]), R, machine.across_replicas())
+                       for node, _ in gaps]
+        exposed = sum(max(0.0, seconds - gap) for seconds, (_, gap) in zip(all_reduces, gaps))
+        assert timeline.comm_time == pytest.approx(sum(all_reduces))
+        assert timeline.exposed_comm == pytest.approx(exposed)
+        assert timeline.step_time == pytest.approx(timeline.compute_time + exposed)
+        timelines.append(timeline)
+    fast, slow = timelines[0], timelines[-1]
+    assert slow.compute_time == fast.compute_time
+    assert slow.step_time - fast.step_time == pytest.approx(slow.exposed_comm - fast.exposed_comm)
+    assert 0 < slow.step_time - fast.step_time < slow.comm_time - fast.comm_time  # the covered part stays hidden
+
+
+def test_stage_1_all_reduces_the_shards_across_replicas_in_the_optimizer_step_on_the_inter_group_network(hybrid):
+    shards = sum(-(-p.numel() // S) * p.element_size() for p in scenarios._ledger_model("chain").parameters())
+    base, slow = (simulate(hybrid[1], WORLD, machine=machine) for machine in (SLOW_NET, SLOW_REPLICAS))
+    before, after = ({name: seconds for (graph, name), seconds in _durations(t, "comm").items()
+                      if graph == "optimizer step"} for t in (base, slow))
+    assert after.keys() == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert before["all_reduce"] == pytest.approx(collective_seconds("all_reduce", shards, R, SLOW_NET))
+    assert after["all_reduce"] == pytest.approx(collective_seconds("all_reduce", shards, R, INTER_GROUP))
+    assert {k: after[k] for k in ("all_gather", "reduce_scatter")} == pytest.approx(
+        {k: before[k] for k in ("all_gather", "reduce_scatter")})
+    assert slow.step_time - base.step_time == pytest.approx(after["all_reduce"] - before["all_reduce"])  # unhidden
 
 
 def test_the_trace_format_check_finds_what_perfetto_would_reject():
