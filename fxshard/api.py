@@ -29,7 +29,7 @@ from .optim import (
     annotate_optimizer_graph, clip_grad_norm_, full_state_dict, load_full_state_dict, mark_published,
     shard_optimizer_over,
 )
-from .prepare import grad_sync_of, shard_parameters, spec_of
+from .prepare import grad_sync_of, shard_parameters, sharded_world_size, spec_of
 
 STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
@@ -332,14 +332,16 @@ class Backend:
     def trace(self, path, world: int | None = None, machine=None):
         """Write the simulated step (``fxshard.simulate``) of the graphs compiled so far as a Chrome trace-event
         JSON to ``path``, to open in Perfetto: a compute and a communication lane, an event per node, each with its
-        unit (``fxshard.chrome_trace``). ``world``: the ranks to predict for (default: the process group's);
+        unit (``fxshard.chrome_trace``). ``world``: the ranks to predict for (default: those the parameters are
+        sharded over; on a hybrid mesh its shard dimension);
         ``machine``: a ``fxshard.simulate.Machine`` (e.g. from ``calibrate``). Returns the ``Timeline``."""
         import torch.distributed as dist
 
         from .chrome_trace import write_chrome_trace
         from .simulate import simulate
 
-        timeline = simulate(self, world or dist.get_world_size(self.group), machine=machine)
+        sharded_over = sharded_world_size(self.model) if self.model is not None else None
+        timeline = simulate(self, world or sharded_over or dist.get_world_size(self.group), machine=machine)
         write_chrome_trace(timeline, path)
         return timeline
 

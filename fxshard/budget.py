@@ -746,11 +746,10 @@ def optimizer_bytes(optimizer, model) -> int:
 
 def ledger(backend) -> Ledger:
     """The ledger of a backend's compiled step (``backend.prepare`` and one forward/backward run first)."""
-    from .prepare import spec_of
+    from .prepare import sharded_world_size
 
     if backend.model is None:
         raise FxShardError("the backend has no prepared model: call `model, opt = backend.prepare(model, opt)` and "
                            "run a step through torch.compile(model, backend=backend) first")
-    specs = [spec_of(p) for p in backend.model.parameters()]
-    world = next((s.world_size for s in specs if s is not None), 1)
+    world = sharded_world_size(backend.model) or 1
     return ledger_of_graphs(backend.graphs, world_size=world, optimizer=backend.optimizer, model=backend.model)

@@ -67,6 +67,11 @@ def spec_of(param: torch.Tensor) -> ShardSpec | None:
     return SPEC_OF.get(param)
 
 
+def sharded_world_size(model: nn.Module) -> int | None:
+    """The ranks ``model``'s parameters are sharded over (a hybrid mesh's shard dimension), or None unprepared."""
+    return next((spec.world_size for p in model.parameters() if (spec := spec_of(p)) is not None), None)
+
+
 def is_prepared(model: nn.Module) -> bool:
     return any(hasattr(m, _SPECS) for m in model.modules())
 
