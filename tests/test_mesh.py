@@ -233,3 +233,8 @@ def test_a_1d_mesh_is_its_group():
         model, _ = backend.prepare(scenarios._ledger_model("chain"))
         spec = spec_of(next(model.parameters()))
         assert spec.world_size == 2 and spec.replicate_size == 1 and spec.replicate_group_name == ""
+
+
+def test_the_simulated_step_defaults_to_the_shard_group(hybrid_stage_3, tmp_path):
+    # the gathers and reduce-scatters run over the S ranks of a shard group, not over all R*S ranks
+    assert hybrid_stage_3.trace(tmp_path / "step.json").world == MESH[1]
