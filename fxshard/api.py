@@ -321,13 +321,18 @@ class Backend:
         and the collective schedule; ``format="json"`` for tools. Before a forward and backward ran, or without an
         optimizer, only the collectives of the graphs compiled so far."""
         from . import budget
-        from .report import collective_report, ledger_report
+        from .report import collective_report, ledger_report, prefetch_fit_report
 
         grouping = describe_grouping(self.knobs["bucket"], self._block_names())
         if self.model is None or self.optimizer is None or not any(r.kind == "backward" for r in self.graphs):
-            return f"{grouping}\n{collective_report(self.graphs)}"
-        return ledger_report(budget.ledger(self), format=format, measured=measured,
-                             title=f"fxshard stage {self.stage}, {grouping}")
+            text = f"{grouping}\n{collective_report(self.graphs)}"
+        else:
+            text = ledger_report(budget.ledger(self), format=format, measured=measured,
+                                 title=f"fxshard stage {self.stage}, {grouping}")
+            if format == "json":
+                return text
+        fit = prefetch_fit_report(self.graphs)
+        return f"{text}\n\n{fit}" if fit else text
 
     def trace(self, path, world: int | None = None, machine=None):
         """Write the simulated step (``fxshard.simulate``) of the graphs compiled so far as a Chrome trace-event

@@ -132,7 +132,7 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
     torch._dynamo.reset()
     rank, world = rank_and_world()
     model = build_model("gpt")
-    backend = fxshard.backend(compiler="eager", stage=3, **backend_options)
+    backend = fxshard.backend(stage=3, **{"compiler": "eager", **backend_options})
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     gc.collect()
     params = dict(model.named_parameters())
@@ -583,7 +583,7 @@ def compiled_model(model_name: str, stage: int, world: int = 2, **backend_option
 
     with fake_process_group(world):
         torch._dynamo.reset()
-        backend = fxshard.backend(compiler="eager", stage=stage, **backend_options)
+        backend = fxshard.backend(stage=stage, **{"compiler": "eager", **backend_options})
         model = _ledger_model(model_name)
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         batch = _ledger_batch(model_name, torch.Generator().manual_seed(0))

@@ -24,7 +24,7 @@ def compile_gpt(stage=3, **options):
     torch._dynamo.reset()
     torch.manual_seed(0)
     with fake_process_group(2):
-        backend = fxshard.backend(compiler="eager", stage=stage, **options)
+        backend = fxshard.backend(stage=stage, **{"compiler": "eager", **options})
         model, _ = backend.prepare(GPT())
         idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
         torch.compile(model, backend=backend, fullgraph=True)(idx, idx).backward()

@@ -158,13 +158,18 @@ def test_peak_within_tolerance(measured_world2):
                                                                                                  result["ledger_peak"])
 
 
-def _ledgers_or_error(stage: int, memory_budget: int | None):
-    """Compile the Chain's step under ``memory_budget``: each graph's recorded ledger by kind, or the FxShardError."""
+def _compiled_or_error(stage: int, memory_budget: int | None, model: str = "chain"):
+    """Compile the model's step under ``memory_budget``: each lowered graph by kind, or the FxShardError."""
     try:
-        backend = scenarios.compiled_model("chain", stage, memory_budget=memory_budget)
+        backend = scenarios.compiled_model(model, stage, memory_budget=memory_budget)
     except fxshard.FxShardError as error:
         return None, error
-    return {r.kind: r.final.meta["fxshard_ledger"] for r in backend.graphs if r.kind in ("forward", "backward")}, None
+    return {r.kind: r.final for r in backend.graphs if r.kind in ("forward", "backward")}, None
+
+
+def _ledgers_or_error(stage: int, memory_budget: int | None):
+    graphs, error = _compiled_or_error(stage, memory_budget)
+    return (None if graphs is None else {k: g.meta["fxshard_ledger"] for k, g in graphs.items()}), error
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -177,7 +182,33 @@ def test_memory_budget_counts_the_optimizer_and_fails_compilation_over_it(stage)
         shard_elements = ledger["optimizer"] // (4 * (3 if stage == 1 else 2))
         assert params / 2 <= shard_elements <= params / 2 + len(list(scenarios.Chain().parameters()))
         assert ledger["total"] == ledger["inputs"] + ledger["peak"] + ledger["optimizer"]
-    largest = max(ledger["total"] for ledger in ledgers.values())
-    _, error = _ledgers_or_error(stage, largest - 1)
+    # under a budget the prefetch schedule may hold fewer gathers: compilation fails only where none fits
+    graphs, _ = _compiled_or_error(stage, 1 << 40)
+    least = max(min(c["bytes"] for c in g.meta["fxshard_prefetch_fit"]["candidates"]) for g in graphs.values())
+    _, error = _ledgers_or_error(stage, least - 1)
     assert error is not None and "memory_budget" in str(error) and "optimizer" in str(error)
-    assert _ledgers_or_error(stage, largest)[1] is None
+    assert _ledgers_or_error(stage, least)[1] is None
+
+
+def test_memory_budget_picks_the_fastest_prefetch_schedule_that_fits():
+    graphs, _ = _compiled_or_error(3, 1 << 40, model="gpt")
+    fit = graphs["backward"].meta["fxshard_prefetch_fit"]
+    eager, *others = fit["candidates"]
+    assert fit["chosen"] == eager and (eager["prefetch"], eager["max_inflight_gathers"]) == (1, 2)  # the defaults
+    assert all(c["bytes"] < eager["bytes"] and c["exposed_s"] > eager["exposed_s"] for c in others)
+    budget = eager["bytes"] - 1  # the default schedule does not fit (compilation used to fail here)
+    graphs, error = _compiled_or_error(3, budget, model="gpt")
+    assert error is None, error
+    fit = graphs["backward"].meta["fxshard_prefetch_fit"]
+    fitting = [c for c in fit["candidates"] if c["bytes"] <= budget]
+    assert fit["chosen"] == min(fitting, key=lambda c: c["exposed_s"])
+    assert graphs["backward"].meta["fxshard_ledger"]["total"] == fit["chosen"]["bytes"] <= budget
+
+
+def test_the_report_says_which_prefetch_schedule_fits_and_why():
+    backend = scenarios.compiled_model("chain", 3, memory_budget=1 << 40)
+    report = backend.report()
+    assert "prefetch within memory_budget=1,099,511,627,776 bytes" in report
+    chosen = [line for line in report.splitlines() if line.endswith("<- chosen")]
+    assert [line.split(":")[0].strip() for line in chosen] == ["graph 0 forward", "graph 0 backward"]
+    assert all("prefetch=1, max_inflight_gathers=2" in line for line in chosen)

@@ -40,7 +40,7 @@ def test_unknown_compiler():
 ])
 def test_bad_backend_options(options, message):
     with pytest.raises(fxshard.FxShardError, match=message):
-        fxshard.backend(compiler="eager", stage=3, **options)
+        fxshard.backend(stage=3, **{"compiler": "eager", **options})
 
 
 def test_prepare_without_process_group():

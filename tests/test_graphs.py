@@ -15,7 +15,7 @@ from fxshard.testing import assert_graph_snapshot, fake_process_group
 def compile_and_step(model, *inputs, stage=3, **options):
     """Prepare under a fake world of 2, run one compiled forward + backward, return the backend."""
     torch._dynamo.reset()
-    backend = fxshard.backend(compiler="eager", stage=stage, **options)
+    backend = fxshard.backend(stage=stage, **{"compiler": "eager", **options})
     model, _ = backend.prepare(model)
     torch.compile(model, backend=backend, fullgraph=True)(*inputs).sum().backward()
     return backend

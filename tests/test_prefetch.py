@@ -132,7 +132,7 @@ def compile_four_blocks(**options) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     with fake_process_group(2):
-        backend = fxshard.backend(compiler="eager", stage=3, **options)
+        backend = fxshard.backend(stage=3, **{"compiler": "eager", **options})
         model, _ = backend.prepare(FourBlocks())
         torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8)).sum().backward()
     return {r.kind: r.final for r in backend.graphs if r.kind in ("forward", "backward")}
