@@ -49,7 +49,8 @@ class PassContext:
     prefetch: how many units ahead an all-gather is issued (0: each gather right before its unit's compute).
     max_inflight_gathers: the most gathered buffers alive at once under prefetch.
     schedule: a researcher's ordering function ``schedule(gm, ctx) -> gm`` run in place of the prefetch pass.
-    memory_budget: bytes per rank the rewritten graphs may need; over it, compilation fails with the ledger.
+    memory_budget: bytes per rank the rewritten graphs may need: the prefetch pass keeps the fastest schedule (up
+        to ``prefetch`` and ``max_inflight_gathers``) that fits; where none does, compilation fails with the ledger.
     param_dtype: mixed precision: the dtype forward and backward compute in (parameters are cast from the fp32
         master before they are gathered); None computes in the parameters' own dtype.
     reduce_dtype: mixed precision: the dtype gradients are reduced in; None reduces in ``param_dtype``.
