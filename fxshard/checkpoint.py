@@ -299,13 +299,16 @@ def _first_rank(group) -> bool:
 
 
 @torch.no_grad()
-def _gathered(value, to_first_rank_only: bool):
-    """A DTensor's full tensor (every rank, or the first rank only: ``None`` elsewhere), one tensor at a time."""
+def _gathered(value, to_first_rank_only: bool, first_rank: int):
+    """A DTensor's full tensor (every rank, or only the rank ``first_rank`` of the world: ``None`` elsewhere), one
+    tensor at a time. On a hybrid mesh only the shard group of ``first_rank`` gathers: each holds the same rows."""
     if not isinstance(value, DTensor):
         return value.clone() if torch.is_tensor(value) else value
     if not to_first_rank_only:
         return value.full_tensor()
     group = value.device_mesh.get_group()
+    if first_rank not in dist.get_process_group_ranks(group):
+        return None
     local = value.to_local()
     rows = value.shape[0]
     per_rank = -(-rows // dist.get_world_size(group))
@@ -326,7 +329,7 @@ def _consolidated(state_dict: dict, options: StateDictOptions, group) -> dict:
             return {k: walk(v) for k, v in value.items()}
         if isinstance(value, list):
             return [walk(v) for v in value]
-        return _gathered(value, to_first_rank_only)
+        return _gathered(value, to_first_rank_only, dist.get_global_rank(group, 0))
 
     full = walk(state_dict)
     return full if not to_first_rank_only or _first_rank(group) else {}

@@ -171,7 +171,19 @@ def resume_on_a_mesh(directory: str, stage: int, mesh_shape: tuple) -> dict:
     _, fresh_model, fresh_opt, fresh_run = _prepared(stage, mesh_shape=mesh_shape)
     checkpoint.load(fresh_model, fresh_opt, root / f"mesh_stage_{stage}")
     resumed = _train(fresh_run, fresh_opt, _batches(skip=STEPS_BEFORE + 1), 1)
-    return {"resharded": resharded + continued, "continued": continued, "resumed": resumed}
+
+    gathers, gather = [], dist.gather  # the full state dict: gathered by the first rank's shard group alone
+    dist.gather = lambda *args, **kwargs: gathers.append(1) or gather(*args, **kwargs)
+    try:
+        full_model, _ = checkpoint.get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                                       cpu_offload=True))
+    finally:
+        dist.gather = gather
+    expected = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    full_is_exact = bool(full_model) and all(torch.equal(full_model[k], v) for k, v in expected.items())
+    return {"resharded": resharded + continued, "continued": continued, "resumed": resumed,
+            "full_state_dict": "exact" if full_is_exact else ("empty" if not full_model else "wrong"),
+            "gathers": len(gathers)}
 
 
 def misuse_is_refused(directory: str) -> dict:

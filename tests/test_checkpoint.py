@@ -73,9 +73,13 @@ def test_resume_on_a_hybrid_mesh(saved, pools, stage):
     # the world-2 checkpoint loads onto 2 replicas of 2-rank shard groups; a checkpoint saved there (each replica
     # group writes the same rows) resumes bit-exactly on the same mesh
     directory, results = saved
-    for result in pools(4).run(checkpoint_scenarios.resume_on_a_mesh, str(directory), stage, (2, 2)):
+    mesh_results = pools(4).run(checkpoint_scenarios.resume_on_a_mesh, str(directory), stage, (2, 2))
+    for result in mesh_results:
         assert _close(result["resharded"], results[0]["after"]), (result, results[0]["after"])
         assert result["resumed"] == result["continued"]
+    # the full state dict reaches the mesh's first rank only, gathered by its shard group (ranks 0 and 1) alone
+    assert [r["full_state_dict"] for r in mesh_results] == ["exact", "empty", "empty", "empty"]
+    assert [r["gathers"] > 0 for r in mesh_results] == [True, True, False, False]
 
 
 def test_checkpoints_move_between_fsdp2_and_fxshard(saved, pools):
