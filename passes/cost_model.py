@@ -89,8 +89,10 @@ class CostModel:
         return max(node_flops(node) / self.flops_per_s, touched / self.memory_bytes_per_s)
 
     def collective_s(self, node: fx.Node, world_size: int) -> float:
-        """Time of a collective node (role ``all_gather``, ``reduce_scatter`` or ``all_reduce``)."""
+        """Time of a collective node (role ``all_gather``, ``reduce_scatter`` or ``all_reduce``) over ``world_size``
+        ranks, or over the ``ranks`` its meta names (a hybrid mesh's replicas)."""
         role = node.meta["fxshard"]["role"]
+        world_size = node.meta["fxshard"].get("ranks", world_size)
         full = tensor_bytes(node.meta.get("val") if role == "all_gather" else node.args[0].meta.get("val"))
         share = (world_size - 1) / max(world_size, 1)
         sent = full * share * (2 if role == "all_reduce" else 1)
