@@ -37,7 +37,7 @@ import torch
 from torch import fx
 
 from .errors import FxShardError
-from .passes.fx_utils import COLLECTIVE_ROLES, size_hint
+from .passes.fx_utils import COLLECTIVE_ROLES, is_view, size_hint
 
 N = sympy.Symbol("N", positive=True, integer=True)
 R = sympy.Symbol("R", positive=True, integer=True)
@@ -349,10 +349,9 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[lis
 
 
 def _storage_root(node: fx.Node, roots: dict) -> fx.Node:
-    is_view = (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
     # wait_tensor returns the very tensor its collective wrote into
     waits = node.op == "call_function" and node.target is torch.ops._c10d_functional.wait_tensor.default
-    if is_view or waits or (node.op == "call_function" and node.target is operator.getitem):
+    if is_view(node) or waits or (node.op == "call_function" and node.target is operator.getitem):
         source = node.args[0]
         if isinstance(source, fx.Node):
             return roots.get(source, source)

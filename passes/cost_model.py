@@ -28,7 +28,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from .fx_utils import COLLECTIVE_ROLES, size_hint
+from .fx_utils import COLLECTIVE_ROLES, is_view, size_hint
 
 def tensor_bytes(value) -> int:
     """Bytes of every tensor in ``value`` (a tensor, or a nested list / tuple of them)."""
@@ -56,9 +56,7 @@ def node_flops(node: fx.Node) -> int:
 
 
 def _is_free(node: fx.Node) -> bool:
-    target = node.target
-    return node.op != "call_function" or target is operator.getitem or (
-        isinstance(target, torch._ops.OpOverload) and target.is_view)
+    return node.op != "call_function" or node.target is operator.getitem or is_view(node)
 
 
 def best_time(fn, repeats: int = 5) -> float:

@@ -31,6 +31,11 @@ def size_hint(value: int | torch.SymInt) -> int:
     return int(value)
 
 
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` is an op whose schema says it returns a view of its input (``view``, ``t``, ``slice``...)."""
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
 def marker_args(node: fx.Node) -> dict:
     """A marker node's arguments by their schema names (``local``, ``resident``, ``fqn``, ``grad_reduction``...),
     defaults filled in."""

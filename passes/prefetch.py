@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-import torch
 from torch import fx
 
 from fxshard.budget import graph_ledger
@@ -50,7 +49,7 @@ from fxshard.errors import FxShardError
 
 from .context import PassContext
 from .cost_model import CostModel, exposed_communication
-from .fx_utils import COLLECTIVE_ROLES, position
+from .fx_utils import COLLECTIVE_ROLES, is_view, position
 
 SCHEDULED_GRAPHS = ("forward", "backward", "inference")
 _PLACED = ("placeholder", "output")  # never moved: inputs stay first, the output last
@@ -73,17 +72,13 @@ def _comm_side(node: fx.Node, unit: str) -> bool:
 def _through_views(readers: list[fx.Node]) -> list[fx.Node]:
     """``readers`` and, transitively, the users of those that are views: a view (``t`` of a gathered weight) keeps
     the gathered buffer alive until its own last reader."""
-    found, pending = list(readers), [r for r in readers if _is_view(r)]
+    found, pending = list(readers), [r for r in readers if is_view(r)]
     while pending:
         for user in pending.pop().users:
             found.append(user)
-            if _is_view(user):
+            if is_view(user):
                 pending.append(user)
     return found
-
-
-def _is_view(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
 def _collectives(graph: fx.Graph, order: dict[fx.Node, int]) -> list[_Collective]:

@@ -10,18 +10,14 @@ lost. Markers that read a full tensor (stages 0 and 2) and other graphs are left
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxshard.ops import UNSHARD
 
 from .context import PassContext
+from .fx_utils import is_view
 from .lower_collectives import gathers_shards
-
-
-def _is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
 def recompute_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -35,5 +31,5 @@ def recompute_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             tagged = pending.pop()
             tagged.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             tagged.meta.setdefault("fxshard", {})["recompute"] = "regather in backward"
-            pending.extend(user for user in tagged.users if _is_view(user))
+            pending.extend(user for user in tagged.users if is_view(user))
     return gm
