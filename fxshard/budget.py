@@ -37,7 +37,7 @@ import torch
 from torch import fx
 
 from .errors import FxShardError
-from .passes.fx_utils import COLLECTIVE_ROLES, is_view, size_hint
+from .passes.fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
 
 N = sympy.Symbol("N", positive=True, integer=True)
 R = sympy.Symbol("R", positive=True, integer=True)
@@ -328,9 +328,9 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: _Sizes) -> tuple[lis
         buffer = node.args[0].meta["val"]
         params = sizes.of_sites(meta.get("params", []))
         counts = [p.count for p in params]
-        across_replicas = meta.get("across") == "replicate"  # hybrid mesh: a gradient shard averaged over R ranks
+        across_replicas = replica_ranks(node) is not None  # hybrid mesh: a gradient shard averaged over R ranks
         if across_replicas:
-            sizes.values[R] = meta["ranks"]
+            sizes.values[R] = replica_ranks(node)
         candidates = {
             "all_gather": [sympy.Add(*map(shard, counts))],
             "reduce_scatter": [N * sympy.Add(*map(shard, counts))],
@@ -514,8 +514,6 @@ def gradient_terms(backward: fx.GraphModule, params: dict[int, _Param], sizes: _
 
 def _names_from_model(model) -> dict[tuple, str]:
     """(use sites...) -> the name prepare gave the parameter, for tied parameters read at several sites."""
-    from .prepare import spec_of
-
     if model is None:
         return {}
     names = {}

@@ -339,7 +339,7 @@ def _group_of(module: nn.Module):
     """Every rank that holds a piece of the model: its shard group, or on a hybrid mesh all of the mesh (each
     replica group writes the same rows; DCP keeps one copy)."""
     spec = next(iter(getattr(next(m for m in module.modules() if hasattr(m, _SPECS)), _SPECS).values()))
-    return _resolve_process_group(spec.mesh_group_name or spec.group_name)
+    return _resolve_process_group(spec.all_ranks_group_name)
 
 
 def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None = None) -> dict:

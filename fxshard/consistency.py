@@ -50,7 +50,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .errors import FxShardError
-from .passes.fx_utils import COLLECTIVE_ROLES, marker_args
+from .passes.fx_utils import COLLECTIVE_ROLES, marker_args, replica_ranks
 
 # A record that does not start with this did not come from check_same_schedule ("fxshard" in ASCII).
 RECORD_MARKER = int.from_bytes(b"fxshard", "big")
@@ -93,7 +93,7 @@ def _group_of(node: fx.Node, meta: dict) -> str:
     a flat group too; "replicate"): the groups of one dimension have other names on other ranks of a hybrid mesh.
     Any other collective by its group's name."""
     if meta.get("role") in COLLECTIVE_ROLES:
-        return meta.get("across", "shard")
+        return "shard" if replica_ranks(node) is None else "replicate"
     return str(marker_args(node).get("group_name", ""))
 
 

@@ -117,8 +117,8 @@ def _(full_grad, world_size, group_name, fqn, grad_reduction, reduce_dtype=None,
 
 
 def _unshard_setup_context(ctx, inputs, output):
-    local, _, _, ctx.world_size, ctx.group_name, ctx.fqn, ctx.grad_reduction, _, ctx.reduce_dtype, *replicas = inputs
-    ctx.replicate_size, ctx.replicate_group_name = replicas or (1, "")
+    (local, _, _, ctx.world_size, ctx.group_name, ctx.fqn, ctx.grad_reduction, _, ctx.reduce_dtype,
+     ctx.replicate_size, ctx.replicate_group_name) = inputs
     ctx.local_dtype = local.dtype
 
 

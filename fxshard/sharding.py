@@ -43,6 +43,12 @@ class ShardSpec:
     mesh_group_name: str = ""  # hybrid sharding: a group of every rank of the mesh (checkpoints are written over it)
 
     @property
+    def all_ranks_group_name(self) -> str:
+        """The group of every rank that holds a piece of the parameter: the mesh's on a hybrid mesh, else the shard
+        group."""
+        return self.mesh_group_name or self.group_name
+
+    @property
     def trains_shard(self) -> bool:
         """Stages 2 and 3 train the flat shard; stages 0 and 1 train the full parameter."""
         return self.stage >= 2

@@ -40,7 +40,7 @@ from torch import fx
 from .budget import N
 from .errors import FxShardError
 from .passes.cost_model import node_flops, tensor_bytes
-from .passes.fx_utils import COLLECTIVE_ROLES
+from .passes.fx_utils import COLLECTIVE_ROLES, replica_ranks
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -127,12 +127,6 @@ def _role(node: fx.Node) -> str | None:
     return node.meta.get("fxshard", {}).get("role")
 
 
-def _replicas(node: fx.Node) -> int | None:
-    """The ranks a collective across the replicas of a hybrid mesh runs over; None for one over the shard group."""
-    meta = node.meta.get("fxshard", {})
-    return meta["ranks"] if meta.get("across") == "replicate" else None
-
-
 def _ring(replicas: int | None, world: int, machine: Machine) -> tuple[int, Machine]:
     """(ranks, machine) a collective is timed on: ``replicas`` ranks on the inter-group network when it runs across
     the replicas of a hybrid mesh, else the ``world`` ranks simulated on the ring's own figures."""
@@ -173,7 +167,7 @@ def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, 
         role = _role(node)
         if role in COLLECTIVE_ROLES:
             begin = max(compute_at, comm_at)
-            seconds = collective_seconds(role, _full_bytes(node, role), *_ring(_replicas(node), world, machine))
+            seconds = collective_seconds(role, _full_bytes(node, role), *_ring(replica_ranks(node), world, machine))
             comm_at = done[node] = begin + seconds
             busy_comm += seconds
             events.append(Event(name, node.name, "comm", begin, comm_at, _unit(node)))

@@ -28,7 +28,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from .fx_utils import COLLECTIVE_ROLES, is_view, size_hint
+from .fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
 
 def tensor_bytes(value) -> int:
     """Bytes of every tensor in ``value`` (a tensor, or a nested list / tuple of them)."""
@@ -90,7 +90,7 @@ class CostModel:
         """Time of a collective node (role ``all_gather``, ``reduce_scatter`` or ``all_reduce``) over ``world_size``
         ranks, or over the ``ranks`` its meta names (a hybrid mesh's replicas)."""
         role = node.meta["fxshard"]["role"]
-        world_size = node.meta["fxshard"].get("ranks", world_size)
+        world_size = replica_ranks(node) or world_size
         full = tensor_bytes(node.meta.get("val") if role == "all_gather" else node.args[0].meta.get("val"))
         share = (world_size - 1) / max(world_size, 1)
         sent = full * share * (2 if role == "all_reduce" else 1)

@@ -36,6 +36,13 @@ def is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
+def replica_ranks(node: fx.Node) -> int | None:
+    """The ranks a collective across the replicas of a hybrid mesh runs over (``lower_collectives_pass`` records
+    ``across="replicate"`` and ``ranks`` on it); None for every other collective (over the marker's group)."""
+    meta = node.meta.get("fxshard", {})
+    return meta["ranks"] if meta.get("across") == "replicate" else None
+
+
 def marker_args(node: fx.Node) -> dict:
     """A marker node's arguments by their schema names (``local``, ``resident``, ``fqn``, ``grad_reduction``...),
     defaults filled in."""

@@ -164,7 +164,7 @@ def _reduce_dtype(marker: fx.Node) -> torch.dtype:
 
 
 def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Node]:
-    world, group_name, _ = _group_of(markers[0])
+    world, group_name, replicate_group_name = _group_of(markers[0])
     chunks = [m.meta["val"].numel() for m in markers]
     rows = []
     for marker, chunk in zip(markers, chunks):
@@ -176,11 +176,10 @@ def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Nod
     buffer = rows[0] if len(rows) == 1 else emit("copy_in", aten.view.default, emit("copy_in", aten.cat.default, rows, 1), [-1])
     reduced = emit("reduce_scatter", c10d.reduce_scatter_tensor.default, buffer, "avg", world, group_name)
     reduced = emit("wait", c10d.wait_tensor.default, reduced)
-    replicas = marker_args(markers[0])
-    if replicas["replicate_group_name"]:  # hybrid sharding: average the shard over the ranks that hold it too
-        reduced = emit("all_reduce", c10d.all_reduce.default, reduced, "avg", replicas["replicate_group_name"],
+    if replicate_group_name:  # hybrid sharding: average the shard over the ranks that hold it too
+        reduced = emit("all_reduce", c10d.all_reduce.default, reduced, "avg", replicate_group_name,
                        name=f"all_reduce_replicas_{emit.unit}")
-        fxshard_meta(reduced).update(across="replicate", ranks=replicas["replicate_size"])
+        fxshard_meta(reduced).update(across="replicate", ranks=marker_args(markers[0])["replicate_size"])
         reduced = emit("wait", c10d.wait_tensor.default, reduced, name=f"wait_replicas_{emit.unit}")
     if len(markers) == 1:
         return [_cast(emit, reduced, markers[0].meta["val"].dtype, _reduce_dtype(markers[0]))]

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 import fxshard
 from fxshard import checkpoint
 from fxshard.testing import rank_and_world
-from scenarios import build_model, global_batch, make_optimizer, peak_allocated_bytes
+from scenarios import build_model, global_batch, hybrid_mesh, make_optimizer, peak_allocated_bytes
 
 GLOBAL_BATCH = 12
 LAYER_WIDTH = 255  # large enough that DCP's own bookkeeping (plans, metadata: ~100 KB) is small beside a weight
@@ -59,9 +59,7 @@ def _train(run, opt, batches, steps: int) -> list[float]:
 def _prepared(stage: int, compiled: bool = False, mesh_shape: tuple | None = None):
     torch._dynamo.reset()
     model = build_model("mlp")
-    mesh = None if mesh_shape is None else torch.distributed.device_mesh.init_device_mesh(
-        "cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-    backend = fxshard.backend(compiler="eager", stage=stage, mesh=mesh)
+    backend = fxshard.backend(compiler="eager", stage=stage, mesh=hybrid_mesh(mesh_shape))
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
     return backend, model, opt, run

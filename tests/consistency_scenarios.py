@@ -28,12 +28,11 @@ class BranchingMLP(nn.Module):
 def compile_a_forward_that_branches_between_shard_groups() -> str:
     """On a 2x2 hybrid mesh, the second shard group's forward takes the extra layer: each shard group agrees within
     itself, and only the replicas' all-reduce would meet the difference; returns each rank's error."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from scenarios import hybrid_mesh
 
     rank, _ = rank_and_world()
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    backend = fxshard.backend(compiler="eager", stage=3, mesh=mesh)
+    backend = fxshard.backend(compiler="eager", stage=3, mesh=hybrid_mesh((2, 2)))
     model, _ = backend.prepare(BranchingMLP(takes_extra=rank >= 2))
     try:
         torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,15 @@ def build_model(name: str) -> torch.nn.Module:
     if name == "mlp_uneven":  # shapes that no world size of 2 or 3 divides
         return MLP(d_in=7, d_hidden=11, d_out=5)
     raise ValueError(name)
+
+
+def hybrid_mesh(shape: tuple | None, device: str = "cpu"):
+    """A (replicas, shards) DeviceMesh with the dimension names hybrid sharding takes, or None for ``None``."""
+    if shape is None:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
@@ -72,9 +82,7 @@ def train_against_reference(
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer(optimizer, reference.parameters())
-    mesh = None if mesh_shape is None else torch.distributed.device_mesh.init_device_mesh(
-        device, mesh_shape, mesh_dim_names=("replicate", "shard"))
-    backend = fxshard.backend(stage=stage, compiler=compiler, mesh=mesh)
+    backend = fxshard.backend(stage=stage, compiler=compiler, mesh=hybrid_mesh(mesh_shape, device))
     model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
     run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
     step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
@@ -444,9 +452,7 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
     for stage in stages:
         torch._dynamo.reset()
         model = _ledger_model(model_name)
-        mesh = None if mesh_shape is None else torch.distributed.device_mesh.init_device_mesh(
-            "cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-        backend = fxshard.backend(compiler="eager", stage=stage, mesh=mesh)
+        backend = fxshard.backend(compiler="eager", stage=stage, mesh=hybrid_mesh(mesh_shape))
         model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
         run = _ledger_step(model_name, model, backend)
         step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
@@ -576,14 +582,17 @@ def reload_full_optimizer_state(stage: int, path: str) -> dict:
     return {"regathered": backend.full_optimizer_state_dict(), "exp_avg_elements_held": held}
 
 
-def compiled_model(model_name: str, stage: int, world: int = 2, **backend_options):
+def compiled_model(model_name: str, stage: int, world: int = 2, mesh_shape: tuple | None = None,
+                   **backend_options):
     """The backend after one forward and backward of a model (``"chain"`` or a ``build_model`` name) with AdamW,
-    compiled under a fake process group of ``world`` ranks (single process: its graphs, not its numbers)."""
+    compiled under a fake process group of ``world`` ranks, or of a (replicas, shards) ``mesh_shape`` hybrid mesh
+    (single process: its graphs, not its numbers)."""
     from fxshard.testing import fake_process_group
 
-    with fake_process_group(world):
+    with fake_process_group(math.prod(mesh_shape) if mesh_shape else world):
         torch._dynamo.reset()
-        backend = fxshard.backend(stage=stage, **{"compiler": "eager", **backend_options})
+        backend = fxshard.backend(stage=stage, mesh=hybrid_mesh(mesh_shape),
+                                  **{"compiler": "eager", **backend_options})
         model = _ledger_model(model_name)
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         batch = _ledger_batch(model_name, torch.Generator().manual_seed(0))

@@ -87,21 +87,9 @@ def test_ledger_equals_measured_bytes_on_a_mesh(measured_on_mesh):
             assert result["ledger"] == result["measured"], f"stage {stage}"
 
 
-def _compiled_on_fake_mesh(stage: int, **options):
-    with fake_process_group(4):
-        torch._dynamo.reset()
-        mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("replicate", "shard"))
-        backend = fxshard.backend(compiler="eager", stage=stage, mesh=mesh, **options)
-        model = scenarios._ledger_model("chain")
-        model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
-        batch = scenarios._ledger_batch("chain", torch.Generator().manual_seed(0))
-        scenarios.loss_of("chain", torch.compile(model, backend=backend, fullgraph=True), batch).backward()
-        return backend
-
-
 @pytest.fixture(scope="module")
 def hybrid_stage_3():
-    return _compiled_on_fake_mesh(3, bucket="layer")
+    return scenarios.compiled_model("chain", 3, mesh_shape=MESH, bucket="layer")
 
 
 def test_ledger_names_both_dimensions(hybrid_stage_3):

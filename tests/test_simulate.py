@@ -215,21 +215,8 @@ def test_the_simulated_step_is_a_chrome_trace_with_a_compute_and_a_communication
 # -- hybrid mesh: the replicas' all-reduce on its own network ----------------------------------------------------
 
 def hybrid_model(stage: int, replicas: int = 2, shards: int = 2):
-    """The backend after one forward and backward of the Chain with AdamW on a ``replicas`` x ``shards`` mesh of a
-    fake process group (single process: its graphs, not its numbers)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from fxshard.testing import fake_process_group
-
-    with fake_process_group(replicas * shards):
-        torch._dynamo.reset()
-        mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
-        backend = fxshard.backend(stage=stage, mesh=mesh, bucket="layer", compiler="eager")
-        model = scenarios._ledger_model("chain")
-        model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
-        batch = scenarios._ledger_batch("chain", torch.Generator().manual_seed(0))
-        scenarios.loss_of("chain", torch.compile(model, backend=backend, fullgraph=True), batch).backward()
-        return backend
+    """The Chain's backend on a ``replicas`` x ``shards`` mesh of a fake process group (its graphs only)."""
+    return scenarios.compiled_model("chain", stage, mesh_shape=(replicas, shards), bucket="layer")
 
 
 R, S = 2, 2  # the mesh the hybrid backends compiled on
