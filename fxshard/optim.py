@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 
 import torch
 from torch import nn
@@ -90,10 +91,28 @@ def shard_optimizer_over(
     sharded.register_step_pre_hook(step.settle_gradients)
     sharded.register_step_post_hook(step.publish_parameters)
     # state_dict(): shards as DTensors of the parameters' full shapes; load_state_dict(): back to this rank's shards
+    if stage == 1:
+        sharded.register_state_dict_pre_hook(_refuse_torch_get_state_dict)
     sharded.register_state_dict_pre_hook(checkpoint.optimizer_state_dict_pre_hook)
     sharded.register_state_dict_post_hook(checkpoint.optimizer_state_dict_post_hook)
     sharded.register_load_state_dict_pre_hook(checkpoint.optimizer_load_state_dict_pre_hook)
     return sharded
+
+
+def _refuse_torch_get_state_dict(optimizer: torch.optim.Optimizer) -> None:
+    """Stage 1's optimizer updates fp32 master shards, which are not the model's parameters, and torch's
+    ``get_state_dict`` names optimizer states through the model's parameters: it would fail with ``KeyError: 0``.
+    Refuse it clearly, naming fxshard's drop-in. (torch's function is found on the stack: it offers no hook.)"""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_get_optim_state_dict" \
+                and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+            raise FxShardError(
+                "torch.distributed.checkpoint.state_dict.get_state_dict cannot name a stage-1 optimizer's states: "
+                "it updates fp32 master shards, not the model's parameters, through which torch finds each state's "
+                "name. Use fxshard.checkpoint.get_state_dict / set_state_dict (same arguments and options, the same "
+                "result as torch's at stages 0, 2 and 3), or opt.state_dict() with dcp.save")
+        frame = frame.f_back
 
 
 class ShardedStep:

@@ -272,3 +272,16 @@ add_1 = aten.add(arg1_1, arg5_1) -> f32[8]
 add_2 = aten.add(arg2_1, arg6_1) -> f32[40]
 add_3 = aten.add(arg3_1, arg7_1) -> f32[3]
 return add:f32[64], add_1:f32[8], add_2:f32[40], add_3:f32[3]""")
+
+
+def test_torchs_get_state_dict_of_a_stage_1_optimizer_is_refused_with_the_drop_in_named():
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    with fake_process_group(2):
+        model = MLP()
+        model, opt = fxshard.backend(compiler="eager", stage=1).prepare(model, torch.optim.AdamW(model.parameters()))
+        model(torch.randn(4, model.fc1.in_features)).sum().backward()
+        opt.step()
+        with pytest.raises(fxshard.FxShardError, match="Use fxshard.checkpoint.get_state_dict"):
+            get_state_dict(model, opt)
+        opt.state_dict()  # fxshard's own paths still take the state dict
