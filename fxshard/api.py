@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -42,6 +43,9 @@ BUCKETS = ("layer", "block", "auto")
 # the prepared model keeps its backend alive (an attribute), so the entry lives as long as the model does.
 PREPARED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _BACKEND = "_fxshard_backend"  # model attribute: a _KeepAlive of the Backend that prepared it
+# The backend the registered backend last sent a graph of a prepared model to (weakly): it also compiles a graph
+# that reads no prepared tensor, such as the rest of a forward after a graph break, as backend=backend would.
+_LAST_PREPARER = threading.local()
 
 
 class _KeepAlive:
@@ -491,11 +495,17 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
 
     A graph of a prepared model is compiled by the Backend that prepared it (the same graphs and ``report()`` as
     ``backend=backend``); ``options`` may repeat its settings but not contradict them. A graph that reads nothing a
-    backend prepared gets a new ``Backend(**options)`` (which refuses a model that was never prepared)."""
+    backend prepared (e.g. the rest of a forward after a graph break) goes to the backend this thread last compiled
+    a prepared model's graph with, as ``backend=backend`` would send it; before any, to a new ``Backend(**options)``
+    (which refuses a model that was never prepared)."""
     options = dict(options or {})
     preparer = next((b for t in _prepared_tensors(gm, example_inputs) if (b := prepared_by(t)) is not None), None)
     if preparer is None:
+        last = getattr(_LAST_PREPARER, "ref", None)
+        preparer = None if last is None else last()
+    if preparer is None:
         return Backend(**options)(gm, example_inputs)
+    _LAST_PREPARER.ref = weakref.ref(preparer)
     wanted = _option_values(Backend(**options))  # validates the options
     have = _option_values(preparer)
     differing = [name for name in options if wanted[name] != have[name] and not (

@@ -99,3 +99,31 @@ def test_registered_backend_name():
         model, _ = fxshard.backend(compiler="eager", stage=3).prepare(MLP())
         out = torch.compile(model, backend="fxshard", options={"stage": 3}, fullgraph=True)(torch.randn(4, 8))
         assert out.shape == (4, 5)
+
+
+class _BreakThenNoParameters(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        torch._dynamo.graph_break()
+        return (y * 2).tanh().sum()  # a graph of its own that reads no parameter
+
+
+def test_registered_backend_compiles_the_graphs_after_a_graph_break_with_the_preparing_backend():
+    records, reports = {}, {}
+    for how in ("backend=backend", 'backend="fxshard"'):
+        with fake_process_group(2):
+            torch._dynamo.reset()
+            backend = fxshard.backend(compiler="eager", stage=3)
+            model, _ = backend.prepare(_BreakThenNoParameters())
+            compiled = torch.compile(model, backend=backend) if how == "backend=backend" else \
+                torch.compile(model, backend="fxshard", options={"compiler": "eager"})
+            compiled(torch.randn(4, 8)).backward()
+            records[how] = [(r.graph_id, r.kind) for r in backend.graphs]
+            reports[how] = backend.report()
+    assert records["backend=backend"] == records['backend="fxshard"']
+    assert len({graph_id for graph_id, _ in records['backend="fxshard"']}) == 2  # both graphs of the break
+    assert reports["backend=backend"] == reports['backend="fxshard"']
