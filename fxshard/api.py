@@ -20,6 +20,7 @@ from fxshard import passes as P
 from fxshard.passes import PassContext
 from fxshard.passes.context import COLLECTIVE_TIMEOUT_S, DDP_BUCKET_BYTES, KNOBS, default_bucket
 
+from . import autotune
 from .blocks import block_prefixes, describe_grouping, repeated_blocks
 from .budget import optimizer_bytes
 from .consistency import check_same_schedule, prepare_check_group
@@ -31,6 +32,8 @@ from .optim import (
     shard_optimizer_over,
 )
 from .prepare import grad_sync_of, shard_parameters, sharded_world_size, spec_of
+from .simulate import Machine, default_machine
+from .trace import trace_choice
 
 STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
@@ -78,7 +81,7 @@ def checked_knobs(knobs: dict) -> dict:
     unknown = sorted(set(knobs) - set(KNOBS))
     if unknown:
         raise FxShardError(f"unknown backend option(s) {unknown}; the options are stage, group, mesh, passes, "
-                           f"compiler, {', '.join(KNOBS)} (see fxshard.passes.PassContext)")
+                           f"compiler, machine, {', '.join(KNOBS)} (see fxshard.passes.PassContext)")
     bucket = knobs.get("bucket", "auto")  # absent: the stage's default, a valid one
     if not (bucket in BUCKETS or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket > 0)):
         raise FxShardError(f'bucket must be "layer", "block", "auto" or a positive byte cap, got {bucket!r}')
@@ -121,7 +124,9 @@ class Backend:
     average each shard's gradient over the "replicate" groups, stage 0 all-reduces over every rank of the mesh),
     ``passes`` (default: ``default_passes()``), ``compiler``
     (``"inductor"``, the default, compiles the rewritten graphs, as ``torch.compile``'s default backend would;
-    ``"eager"`` runs them op by op, as printed), and the knobs every pass
+    ``"eager"`` runs them op by op, as printed), ``machine`` (a ``fxshard.simulate.Machine``, e.g. from
+    ``fxshard.simulate.calibrate(group)``: what ``fxshard.autotune`` predicts on where the knobs leave a choice;
+    default ``fxshard.simulate.default_machine`` of the graphs' device), and the knobs every pass
     reads, documented on ``fxshard.passes.PassContext``: ``reshard_after_forward``, ``bucket``, ``blocks``,
     ``prefetch``, ``max_inflight_gathers``, ``schedule``, ``memory_budget``, ``param_dtype``, ``reduce_dtype``,
     ``step_bucket_bytes``, ``collective_timeout_s``. An
@@ -136,6 +141,7 @@ class Backend:
         mesh=None,
         passes: Sequence[Pass] | None = None,
         compiler: str = DEFAULT_COMPILER,
+        machine: Machine | None = None,
         **knobs,
     ):
         if isinstance(stage, bool) or stage not in STAGES:
@@ -144,7 +150,11 @@ class Backend:
             raise FxShardError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
         if mesh is not None:
             _check_mesh(mesh, group)
+        if machine is not None and not isinstance(machine, Machine):
+            raise FxShardError(f"machine must be a fxshard.simulate.Machine (e.g. fxshard.simulate.calibrate(group)) "
+                               f"or None, got {type(machine).__name__}")
         self.stage = stage
+        self.machine = machine
         self.group, self.mesh = group, mesh
         self.knobs = {"bucket": default_bucket(stage), **checked_knobs(knobs)}
         self.passes = list(default_passes() if passes is None else passes)
@@ -301,17 +311,29 @@ class Backend:
                 )
         return specs
 
-    def _run(self, context: PassContext, graph_id: int, kind: str, gm: fx.GraphModule) -> fx.GraphModule:
+    def _run(self, context: PassContext, graph_id: int, kind: str, gm: fx.GraphModule,
+             machine: Machine | None = None) -> fx.GraphModule:
+        """The pass pipeline over ``gm``, under the knobs ``fxshard.autotune`` chooses on ``machine`` where the
+        user left a choice (a lowered graph's grouping, prefetch under ``memory_budget``)."""
+        context = dataclasses.replace(context, graph=kind)
+        choice = None
+        if machine is not None:
+            context, choice = autotune.choose(gm, context, self.passes, machine)
         record = GraphRecord(kind, graph_id)
         self.graphs.append(record)
-        return run_passes(gm, dataclasses.replace(context, graph=kind), self.passes, record)
+        gm = run_passes(gm, context, self.passes, record)
+        if choice is not None:
+            gm.meta["fxshard_choice"] = choice
+            trace_choice(kind, graph_id, choice)
+        return gm
 
     def _partition(self, context, graph_id, joint: fx.GraphModule, joint_inputs, **kwargs):
         joint = self._run(context, graph_id, "joint", joint)
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def _compile_graph(self, context, graph_id, inductor: _Inductor | None, kind, gm: fx.GraphModule, example_inputs):
-        gm = self._run(context, graph_id, kind, gm)
+        machine = self.machine or default_machine(_device_type(example_inputs))
+        gm = self._run(context, graph_id, kind, gm, machine)
         compiled = inductor.compile(kind, gm, example_inputs) if inductor else make_boxed_func(gm.forward)
         # Before the graph first runs, every rank must have compiled the same collectives (fxshard.consistency).
         check_same_schedule(gm, kind, graph_id, self._check_group_name or context.group_name)
@@ -325,7 +347,7 @@ class Backend:
         and the collective schedule; ``format="json"`` for tools. Before a forward and backward ran, or without an
         optimizer, only the collectives of the graphs compiled so far."""
         from . import budget
-        from .report import collective_report, ledger_report, prefetch_fit_report
+        from .report import collective_report, ledger_report
 
         grouping = describe_grouping(self.knobs["bucket"], self._block_names())
         if self.model is None or self.optimizer is None or not any(r.kind == "backward" for r in self.graphs):
@@ -335,8 +357,8 @@ class Backend:
                                  title=f"fxshard stage {self.stage}, {grouping}")
             if format == "json":
                 return text
-        fit = prefetch_fit_report(self.graphs)
-        return f"{text}\n\n{fit}" if fit else text
+        choices = autotune.describe_choices(self.graphs)
+        return f"{text}\n\n{choices}" if choices else text
 
     def trace(self, path, world: int | None = None, machine=None):
         """Write the simulated step (``fxshard.simulate``) of the graphs compiled so far as a Chrome trace-event
@@ -466,6 +488,11 @@ def _prepared_tensors(gm: fx.GraphModule, example_inputs) -> list[torch.Tensor]:
     return [t for t in candidates if spec_of(t) is not None]
 
 
+def _device_type(example_inputs) -> str:
+    """``"cuda"`` when a graph takes a CUDA tensor, else ``"cpu"``: which default machine predicts its choices."""
+    return "cuda" if any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs) else "cpu"
+
+
 def prepared_by(tensor: torch.Tensor) -> Backend | None:
     """The Backend whose ``prepare`` laid ``tensor`` out, if it is one of its leaves or optimizer shards."""
     ref = PREPARED_BY.get(tensor)
@@ -486,7 +513,7 @@ def _option_values(backend: Backend) -> dict:
     """Every option of ``backend`` by its ``fxshard.backend`` keyword (knobs it was not given: their defaults)."""
     defaults = {f.name: f.default for f in dataclasses.fields(PassContext) if f.name in KNOBS}
     return {"stage": backend.stage, "group": backend.group, "mesh": backend.mesh, "passes": backend.passes,
-            "compiler": backend.compiler,
+            "compiler": backend.compiler, "machine": backend.machine,
             **defaults, **backend.knobs}
 
 

@@ -33,7 +33,7 @@ class GraphRecord:
     final: fx.GraphModule | None = None
 
 
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     with warnings.catch_warnings():  # torch 2.13's pytree warns about its own LeafSpec while copying codegen
         warnings.simplefilter("ignore", FutureWarning)
         graph = copy.deepcopy(gm.graph)
@@ -49,11 +49,21 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], rec
     """Run ``passes`` over ``gm`` in order, recording each pass's graphs in ``record`` and in torch's logs
     (``fxshard.trace``)."""
     trace_pass(record.kind, record.graph_id, 0, "input", gm)
+    before = copy_graph(gm)
     for index, pass_fn in enumerate(passes, start=1):
         name = getattr(pass_fn, "__name__", repr(pass_fn))
-        before = _copy(gm)
         gm = pass_fn(gm, ctx)
-        record.passes.append(PassRecord(name, before, _copy(gm)))
+        after = copy_graph(gm)
+        record.passes.append(PassRecord(name, before, after))  # one pass's after is the next one's before
+        before = after
         trace_pass(record.kind, record.graph_id, index, name, gm)
     record.final = gm
     return gm
+
+
+def trial_run(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> fx.GraphModule:
+    """``passes`` over a copy of ``gm``, recorded nowhere: what the pipeline would make of it under ``ctx``."""
+    trial = copy_graph(gm)
+    for pass_fn in passes:
+        trial = pass_fn(trial, ctx)
+    return trial

@@ -79,6 +79,23 @@ class Machine:
             latency=self.latency if self.replicate_latency is None else self.replicate_latency)
 
 
+GLOO_ON_CPU = Machine(flops_per_s=8.5e10, memory_bandwidth=3.9e10, bandwidth=6e8, latency=0.0,
+                      collective_overhead=9.5e-4, op_overhead=7.7e-6)
+"""gloo between processes of one host, one CPU thread per rank: ``calibrate`` on a 2-core x86 VM, 2 ranks
+(docs/simulate.md, 2026-12-03). What sets it apart is the per-collective overhead (about 1 ms)."""
+
+NCCL_ON_GPU = Machine(flops_per_s=5e13, memory_bandwidth=2e12, bandwidth=5e10, latency=5e-6,
+                      collective_overhead=2e-5)
+"""NCCL between GPUs of one node: stated (a ring of ~50 GB/s per rank, ~20 µs to launch a collective), not
+calibrated; ``calibrate`` on your own cluster for figures to trust."""
+
+
+def default_machine(device_type: str) -> Machine:
+    """The machine the backend predicts on when given none: ``NCCL_ON_GPU`` for graphs on ``cuda``, else
+    ``GLOO_ON_CPU``."""
+    return NCCL_ON_GPU if device_type == "cuda" else GLOO_ON_CPU
+
+
 @dataclasses.dataclass
 class Event:
     graph: str

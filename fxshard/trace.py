@@ -62,3 +62,15 @@ def trace_pass(kind: str, graph_id: int, index: int, pass_name: str, gm: fx.Grap
         log.info("graph %d %s, after %s: %s", graph_id, kind, pass_name, summary(records))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("graph %d %s, after %s:\n%s", graph_id, kind, pass_name, _code(gm))
+
+
+def trace_choice(kind: str, graph_id: int, choice: dict) -> None:
+    """Record the knobs ``fxshard.autotune`` chose for graph ``graph_id`` of ``kind``, with every candidate."""
+    tracing, logging_info = bool(trace_log.handlers), log.isEnabledFor(logging.INFO)
+    if tracing:
+        trace_structured("artifact", metadata_fn=lambda: {"name": f"fxshard_{kind}_choice", "encoding": "json"},
+                         payload_fn=lambda: json.loads(json.dumps(choice, default=str)))
+    if logging_info:
+        chosen = choice["candidates"][choice["chosen"]]
+        log.info("graph %d %s: chose %s (%.2f ms predicted, %d bytes) of %d candidates", graph_id, kind,
+                 chosen["knobs"], chosen["predicted_s"] * 1e3, chosen["bytes"], len(choice["candidates"]))

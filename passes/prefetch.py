@@ -15,12 +15,9 @@ in a row, so nothing overlaps. This pass moves nodes (it never adds, removes or 
   later than where the lowering put it. Buffers kept for backward (``reshard_after_forward=False``) are the memory
   ledger's business, not this cap's;
 - ``prefetch`` is the most units ahead a gather goes: the ``CostModel`` estimates each gather's time and the
-  compute of the units in between, and the gather goes only as far ahead as it needs to be hidden (less memory);
-- with ``memory_budget`` set, ``prefetch`` and ``max_inflight_gathers`` are the most the schedule may use: each
-  pair from those down to no prefetch is scheduled, and the graph takes the one with the least exposed
-  communication (``exposed_communication``) whose memory (``fxshard.budget.graph_ledger``: inputs, peak, optimizer)
-  fits the budget, the knobs as given on a tie; where none fits, the one that needs least (``budget_pass`` then
-  refuses it). ``gm.meta["fxshard_prefetch_fit"]`` records every candidate and the choice.
+  compute of the units in between, and the gather goes only as far ahead as it needs to be hidden (less memory).
+  (Under ``memory_budget`` the backend tries less eager ``prefetch`` / ``max_inflight_gathers`` pairs too and keeps
+  the fastest that fits: ``fxshard.autotune``; this pass schedules the pair it is given.)
 
 The compute nodes keep their order. The new order is a list schedule: each node gets a wanted position (a key)
 from the rules above, and a topological sort that always takes the ready node with the smallest key produces the
@@ -44,11 +41,10 @@ import heapq
 
 from torch import fx
 
-from fxshard.budget import graph_ledger
 from fxshard.errors import FxShardError
 
 from .context import PassContext
-from .cost_model import CostModel, exposed_communication
+from .cost_model import CostModel
 from .fx_utils import COLLECTIVE_ROLES, is_view, position
 
 SCHEDULED_GRAPHS = ("forward", "backward", "inference")
@@ -254,8 +250,6 @@ def make_prefetch_pass(cost_model: CostModel | None = None):
             check_pure_reorder(before, result, f"schedule={getattr(ctx.schedule, '__name__', ctx.schedule)!r}")
             result.recompile()
             return result
-        if ctx.memory_budget is not None:
-            return _within_budget(gm, ctx, model)
         return _schedule(gm, ctx, model)
 
     prefetch_pass.__doc__ = __doc__
@@ -270,39 +264,6 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext, model: CostModel) -> fx.Grap
         return gm
     reorder(gm, _list_schedule(gm.graph, keys))
     _record(gm, ctx, model, collectives, facts)
-    return gm
-
-
-def _candidates(ctx: PassContext) -> list[PassContext]:
-    """``ctx``'s prefetch knobs and every less eager pair, most eager first (``max_inflight_gathers`` means nothing
-    without prefetch)."""
-    pairs = [(p, m) for p in range(ctx.prefetch, 0, -1) for m in range(ctx.max_inflight_gathers, 0, -1)]
-    return [dataclasses.replace(ctx, prefetch=p, max_inflight_gathers=m) for p, m in [*pairs, (0, 1)]]
-
-
-def _back_to_lowered(gm: fx.GraphModule, lowered: list[fx.Node]) -> None:
-    """The order ``lowered`` and no schedule records: as the lowering left the graph."""
-    reorder(gm, lowered)
-    for node in lowered:
-        node.meta.get("fxshard", {}).pop("schedule", None)
-
-
-def _within_budget(gm: fx.GraphModule, ctx: PassContext, model: CostModel) -> fx.GraphModule:
-    lowered = [n for n in gm.graph.nodes if n.op not in _PLACED]
-    tried = []
-    for candidate in _candidates(ctx):
-        _back_to_lowered(gm, lowered)
-        _schedule(gm, candidate, model)
-        total = graph_ledger(gm, ctx.graph, ctx.world_size, ctx.optimizer_bytes)["total"]
-        tried.append({"prefetch": candidate.prefetch, "max_inflight_gathers": candidate.max_inflight_gathers,
-                      "bytes": total, "exposed_s": exposed_communication(gm, ctx.world_size, model)["exposed_s"],
-                      "fits": total <= ctx.memory_budget})
-    fitting = [c for c in tried if c["fits"]]
-    chosen = min(fitting, key=lambda c: c["exposed_s"]) if fitting else min(tried, key=lambda c: c["bytes"])
-    _back_to_lowered(gm, lowered)
-    _schedule(gm, dataclasses.replace(ctx, prefetch=chosen["prefetch"],
-                                      max_inflight_gathers=chosen["max_inflight_gathers"]), model)
-    gm.meta["fxshard_prefetch_fit"] = {"memory_budget": ctx.memory_budget, "chosen": chosen, "candidates": tried}
     return gm
 
 

@@ -182,33 +182,20 @@ def test_memory_budget_counts_the_optimizer_and_fails_compilation_over_it(stage)
         shard_elements = ledger["optimizer"] // (4 * (3 if stage == 1 else 2))
         assert params / 2 <= shard_elements <= params / 2 + len(list(scenarios.Chain().parameters()))
         assert ledger["total"] == ledger["inputs"] + ledger["peak"] + ledger["optimizer"]
-    # under a budget the prefetch schedule may hold fewer gathers: compilation fails only where none fits
+    # under a budget less eager schedules and per-layer grouping are candidates too: compilation fails only where
+    # none fits
     graphs, _ = _compiled_or_error(stage, 1 << 40)
-    least = max(min(c["bytes"] for c in g.meta["fxshard_prefetch_fit"]["candidates"]) for g in graphs.values())
+    least = max(min(c["bytes"] for c in g.meta["fxshard_choice"]["candidates"]) for g in graphs.values())
     _, error = _ledgers_or_error(stage, least - 1)
     assert error is not None and "memory_budget" in str(error) and "optimizer" in str(error)
     assert _ledgers_or_error(stage, least)[1] is None
 
 
-def test_memory_budget_picks_the_fastest_prefetch_schedule_that_fits():
-    graphs, _ = _compiled_or_error(3, 1 << 40, model="gpt")
-    fit = graphs["backward"].meta["fxshard_prefetch_fit"]
-    eager, *others = fit["candidates"]
-    assert fit["chosen"] == eager and (eager["prefetch"], eager["max_inflight_gathers"]) == (1, 2)  # the defaults
-    assert all(c["bytes"] < eager["bytes"] and c["exposed_s"] > eager["exposed_s"] for c in others)
-    budget = eager["bytes"] - 1  # the default schedule does not fit (compilation used to fail here)
-    graphs, error = _compiled_or_error(3, budget, model="gpt")
-    assert error is None, error
-    fit = graphs["backward"].meta["fxshard_prefetch_fit"]
-    fitting = [c for c in fit["candidates"] if c["bytes"] <= budget]
-    assert fit["chosen"] == min(fitting, key=lambda c: c["exposed_s"])
-    assert graphs["backward"].meta["fxshard_ledger"]["total"] == fit["chosen"]["bytes"] <= budget
-
-
-def test_the_report_says_which_prefetch_schedule_fits_and_why():
+def test_the_report_says_which_knobs_were_chosen_and_why():
     backend = scenarios.compiled_model("chain", 3, memory_budget=1 << 40)
     report = backend.report()
-    assert "prefetch within memory_budget=1,099,511,627,776 bytes" in report
+    assert "knobs chosen by the simulator (the fastest predicted graph that fits memory_budget=1,099,511,627,776 " \
+           "bytes):" in report
     chosen = [line for line in report.splitlines() if line.endswith("<- chosen")]
     assert [line.split(":")[0].strip() for line in chosen] == ["graph 0 forward", "graph 0 backward"]
-    assert all("prefetch=1, max_inflight_gathers=2" in line for line in chosen)
+    assert all('bucket="auto", prefetch=1, max_inflight_gathers=2' in line and " ms, " in line for line in chosen)

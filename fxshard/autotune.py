@@ -1,0 +1,95 @@
+"""The knobs a graph compiles with where the user left fxshard a choice: the candidate the simulator predicts
+fastest, among those whose memory fits ``memory_budget``.
+
+Two knobs leave a choice:
+
+- ``bucket="auto"`` (the default of stages 1-3) on a model with repeated blocks: one collective per block and one
+  for the rest (FSDP2's grouping, ``fxshard.blocks``), or one per layer (less memory held at once, more
+  collectives);
+- ``memory_budget``: ``prefetch`` and ``max_inflight_gathers`` become the most a schedule may use: the given pair
+  and every less eager one down to no prefetch are candidates, under each grouping.
+
+For a lowered graph (forward, backward, inference) with more than one candidate, the backend runs its pass pipeline
+on a copy of the graph per candidate, predicts the graph's time on a ``fxshard.simulate.Machine``
+(``simulate_graph``: a compute and a communication stream, alpha-beta collectives with a per-collective overhead)
+and its memory (``fxshard.budget.graph_ledger``: inputs, peak, what the optimizer keeps), and compiles with the
+fastest candidate that fits: on a tie the one listed first (the knobs as given); where none fits, the one that needs
+least, which ``budget_pass`` then refuses with its ledger. Every rank chooses alike: the graphs are the same on every
+rank (``fxshard.consistency`` checks it) and the machine's figures are constants or calibrated over the group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from torch import fx
+
+from .budget import graph_ledger
+from .passes import PassContext
+from .pipeline import Pass, trial_run
+from .simulate import Machine, simulate_graph
+
+CHOSEN_GRAPHS = ("forward", "backward", "inference")
+
+
+def candidates(ctx: PassContext) -> list[PassContext]:
+    """The contexts a graph of ``ctx.graph`` may compile under, the knobs as given first; one where there is no
+    choice."""
+    if ctx.graph not in CHOSEN_GRAPHS:
+        return [ctx]
+    groupings = [ctx, dataclasses.replace(ctx, bucket="layer")] if ctx.bucket == "auto" and ctx.blocks else [ctx]
+    if ctx.memory_budget is None or ctx.schedule is not None:
+        return groupings
+    pairs = [(p, m) for p in range(ctx.prefetch, 0, -1) for m in range(ctx.max_inflight_gathers, 0, -1)]
+    return [dataclasses.replace(grouping, prefetch=p, max_inflight_gathers=m)
+            for grouping in groupings for p, m in [*pairs, (0, 1)]]
+
+
+def describe_knobs(ctx: PassContext) -> str:
+    """``bucket=auto, prefetch=1, max_inflight_gathers=2``: the knobs that tell candidates apart."""
+    bucket = f'"{ctx.bucket}"' if isinstance(ctx.bucket, str) else ctx.bucket
+    return f"bucket={bucket}, prefetch={ctx.prefetch}, max_inflight_gathers={ctx.max_inflight_gathers}"
+
+
+def choose(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass],
+           machine: Machine) -> tuple[PassContext, dict | None]:
+    """The context to compile ``gm`` under, and the record of the choice (None where there was none):
+    ``{"machine", "memory_budget", "candidates": [{"knobs", "predicted_s", "bytes", "fits"}], "chosen": index}``."""
+    options = candidates(ctx)
+    if len(options) == 1:
+        return ctx, None
+    tried = []
+    for option in options:
+        trial = trial_run(gm, dataclasses.replace(option, memory_budget=None), passes)
+        ledger = trial.meta.get("fxshard_ledger") or graph_ledger(trial, ctx.graph, ctx.world_size,
+                                                                   ctx.optimizer_bytes)  # budget_pass's, if run
+        needed = ledger["total"]
+        seconds = simulate_graph(trial, ctx.graph, ctx.world_size, machine)[0]
+        tried.append({"knobs": describe_knobs(option), "predicted_s": seconds, "bytes": needed,
+                      "fits": ctx.memory_budget is None or needed <= ctx.memory_budget})
+    indices = range(len(tried))
+    fitting = [i for i in indices if tried[i]["fits"]]
+    chosen = min(fitting, key=lambda i: (tried[i]["predicted_s"], i)) if fitting else \
+        min(indices, key=lambda i: (tried[i]["bytes"], i))
+    return options[chosen], {"machine": machine, "memory_budget": ctx.memory_budget, "candidates": tried,
+                             "chosen": chosen}
+
+
+def describe_choices(records) -> str:
+    """For each graph whose knobs were chosen (``gm.meta["fxshard_choice"]``), every candidate with its predicted
+    time and memory, the chosen one marked; "" when no graph had a choice."""
+    lines = []
+    for record in records:
+        choice = None if record.final is None else record.final.meta.get("fxshard_choice")
+        if choice is None:
+            continue
+        if not lines:
+            budget = choice["memory_budget"]
+            fits = "" if budget is None else f" that fits memory_budget={budget:,} bytes"
+            lines.append(f"knobs chosen by the simulator (the fastest predicted graph{fits}):")
+        for index, tried in enumerate(choice["candidates"]):
+            lines.append(f"  graph {record.graph_id} {record.kind}: {tried['knobs']}: "
+                         f"{tried['predicted_s'] * 1e3:.2f} ms, {tried['bytes']:,} bytes"
+                         f"{'' if tried['fits'] else ' (over)'}" + ("  <- chosen" if index == choice["chosen"] else ""))
+    return "\n".join(lines)

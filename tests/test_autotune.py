@@ -1,0 +1,92 @@
+"""The knobs the backend chooses where the user left it a choice (fxshard.autotune): grouping and, under
+memory_budget, prefetch, by the simulator's predicted time within the ledger's memory."""
+
+import pytest
+from expecttest import assert_expected_inline
+
+import fxshard
+import scenarios
+from fxshard.autotune import describe_choices
+from fxshard.report import collectives
+from fxshard.simulate import GLOO_ON_CPU, Machine
+
+
+def _graphs(backend) -> dict:
+    return {r.kind: r.final for r in backend.graphs if r.kind in ("forward", "backward")}
+
+
+@pytest.fixture(scope="module")
+def unbounded():
+    """The GPT's stage-3 graphs under a budget everything fits: every candidate of both choices listed."""
+    return _graphs(scenarios.compiled_model("gpt", 3, memory_budget=1 << 40))
+
+
+def test_the_default_grouping_of_a_model_with_repeated_blocks_is_chosen_by_the_simulator():
+    backend = scenarios.compiled_model("gpt", 3)
+    assert_expected_inline(describe_choices(backend.graphs), """\
+knobs chosen by the simulator (the fastest predicted graph):
+  graph 0 forward: bucket="auto", prefetch=1, max_inflight_gathers=2: 4.44 ms, 468,224 bytes  <- chosen
+  graph 0 forward: bucket="layer", prefetch=1, max_inflight_gathers=2: 15.41 ms, 415,488 bytes
+  graph 0 backward: bucket="auto", prefetch=1, max_inflight_gathers=2: 6.19 ms, 680,456 bytes  <- chosen
+  graph 0 backward: bucket="layer", prefetch=1, max_inflight_gathers=2: 27.82 ms, 589,832 bytes""")
+    for kind, gm in _graphs(backend).items():
+        choice = gm.meta["fxshard_choice"]
+        assert choice["machine"] == GLOO_ON_CPU  # a CPU graph's default
+        gathered_units = {row["unit"] for row in collectives(gm) if row["kind"] == "all_gather"}
+        assert gathered_units == {"blocks.0", "blocks.1", "root"}, kind  # the per-block candidate compiled
+        assert gm.meta["fxshard_ledger"]["total"] == choice["candidates"][choice["chosen"]]["bytes"]
+    assert describe_choices(backend.graphs) in backend.report()
+
+
+def test_memory_budget_picks_the_fastest_predicted_schedule_that_fits(unbounded):
+    choice = unbounded["backward"].meta["fxshard_choice"]
+    given, *others = choice["candidates"]
+    assert choice["chosen"] == 0 and given["knobs"] == 'bucket="auto", prefetch=1, max_inflight_gathers=2'
+    assert all(c["predicted_s"] > given["predicted_s"] for c in others)
+    budget = given["bytes"] - 1  # the default schedule does not fit (compilation used to fail here)
+    graphs = _graphs(scenarios.compiled_model("gpt", 3, memory_budget=budget))  # compiles: a schedule fits
+    choice = graphs["backward"].meta["fxshard_choice"]
+    fitting = [c for c in choice["candidates"] if c["bytes"] <= budget]
+    chosen = choice["candidates"][choice["chosen"]]
+    assert chosen == min(fitting, key=lambda c: c["predicted_s"])
+    assert graphs["backward"].meta["fxshard_ledger"]["total"] == chosen["bytes"] <= budget
+
+
+def test_a_memory_budget_the_blocks_cannot_meet_chooses_per_layer_collectives(unbounded):
+    backward = unbounded["backward"].meta["fxshard_choice"]["candidates"]
+    least_per_block = min(c["bytes"] for c in backward if c["knobs"].startswith('bucket="auto"'))
+    least_per_layer = min(c["bytes"] for c in backward if c["knobs"].startswith('bucket="layer"'))
+    assert least_per_layer < least_per_block  # per layer holds less at once: the budget between them
+    budget = least_per_block - 1
+    graphs = _graphs(scenarios.compiled_model("gpt", 3, memory_budget=budget))
+    choice = graphs["backward"].meta["fxshard_choice"]
+    chosen = choice["candidates"][choice["chosen"]]
+    assert chosen["knobs"].startswith('bucket="layer"') and chosen["bytes"] <= budget
+    fitting = [c for c in choice["candidates"] if c["fits"]]
+    assert all(c["knobs"].startswith('bucket="layer"') for c in fitting)
+    assert chosen == min(fitting, key=lambda c: c["predicted_s"])
+    units = {row["unit"] for row in collectives(graphs["backward"])}
+    assert "blocks.0" not in units and "blocks.0.attn.qkv" in units  # compiled per layer
+    assert graphs["backward"].meta["fxshard_ledger"]["total"] <= budget
+
+
+def test_no_choice_where_the_knobs_leave_none():
+    for model, options in (("mlp", {}), ("chain", {"bucket": "layer"})):  # no repeated blocks; grouping given
+        graphs = _graphs(scenarios.compiled_model(model, 3, **options))
+        assert all("fxshard_choice" not in gm.meta for gm in graphs.values()), model
+
+
+def test_the_choice_follows_the_machine():
+    # slow compute, a slow link and no cost per collective: per-layer gathers overlap more of the forward
+    slow = Machine(flops_per_s=1e9, bandwidth=2e7, collective_overhead=0.0)
+    forward = _graphs(scenarios.compiled_model("gpt", 3, machine=slow))["forward"]
+    choice = forward.meta["fxshard_choice"]
+    layer = next(i for i, c in enumerate(choice["candidates"]) if c["knobs"].startswith('bucket="layer"'))
+    assert choice["machine"] == slow and choice["chosen"] == layer
+    assert choice["candidates"][layer]["predicted_s"] < choice["candidates"][0]["predicted_s"]
+    assert "blocks.0" not in {row["unit"] for row in collectives(forward)}
+
+
+def test_machine_must_be_a_machine():
+    with pytest.raises(fxshard.FxShardError, match="machine must be a fxshard.simulate.Machine"):
+        fxshard.backend(stage=3, machine={"bandwidth": 1e9})
