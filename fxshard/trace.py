@@ -12,6 +12,9 @@ pipeline, ``trace_pass`` writes
   at INFO a line per pass counting what the graph holds by role and unit, at DEBUG (``TORCH_LOGS="+fxshard"``)
   the graph's code too.
 
+Where ``fxshard.autotune`` chose a graph's knobs, ``trace_choice`` adds the artifact ``fxshard_<kind>_choice`` (JSON:
+every candidate's knobs, predicted time and bytes, and the one chosen) and an INFO line.
+
 Nothing is computed unless a trace handler or the log level asks for it.
 """
 

@@ -40,7 +40,8 @@ class PassContext:
         ZeRO-3) or keep them from forward to backward (False: 2Ψ instead of 3Ψ per step, more memory).
     bucket: how collectives are grouped: ``"layer"`` (one per module that owns parameters), ``"block"`` (one per
         entry of ``blocks``), ``"auto"`` (one per repeated block the backend finds in the model, and one for the
-        rest: ``fxshard.blocks``), or an int byte cap (greedy, in graph order). The backend's default depends on
+        rest: ``fxshard.blocks``; the backend compiles per layer instead where the simulator predicts it faster or only
+        it fits ``memory_budget``: ``fxshard.autotune``), or an int byte cap (greedy, in graph order). The backend's default depends on
         the stage: stage 0 packs its all-reduces into ``DDP_BUCKET_BYTES`` (DDP's 25 MiB ``bucket_cap_mb``), the
         sharded stages communicate per block (``"auto"``; per layer in a model without repeated blocks).
     blocks: for ``bucket="block"``: module names (``"blocks.0"``) or module classes whose parameters share one
@@ -49,8 +50,9 @@ class PassContext:
     prefetch: how many units ahead an all-gather is issued (0: each gather right before its unit's compute).
     max_inflight_gathers: the most gathered buffers alive at once under prefetch.
     schedule: a researcher's ordering function ``schedule(gm, ctx) -> gm`` run in place of the prefetch pass.
-    memory_budget: bytes per rank the rewritten graphs may need: the prefetch pass keeps the fastest schedule (up
-        to ``prefetch`` and ``max_inflight_gathers``) that fits; where none does, compilation fails with the ledger.
+    memory_budget: bytes per rank the rewritten graphs may need: the backend keeps the fastest predicted schedule
+        (up to ``prefetch`` and ``max_inflight_gathers``; per block or per layer under ``bucket="auto"``) that fits
+        (``fxshard.autotune``); where none does, ``budget_pass`` fails compilation with the ledger.
     param_dtype: mixed precision: the dtype forward and backward compute in (parameters are cast from the fp32
         master before they are gathered); None computes in the parameters' own dtype.
     reduce_dtype: mixed precision: the dtype gradients are reduced in; None reduces in ``param_dtype``.
