@@ -16,7 +16,7 @@ import torch, fxshard
 from fxshard.testing import fake_process_group
 from scenarios import build_model
 with fake_process_group(2):
-    backend = fxshard.backend(compiler="eager", stage=3)
+    backend = fxshard.backend(compiler="eager", stage=3, memory_budget=1 << 40)  # prefetch is chosen
     model, _ = backend.prepare(build_model("mlp"))
     torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
 """
@@ -76,3 +76,13 @@ def test_torch_logs_fxshard_prints_a_line_per_pass(traced):
         in stderr, stderr[-2000:]
     assert "graph 0 backward, after prefetch_pass: 1 all_gather, 11 copy_in, 7 copy_out, 2 reduce_scatter, 3 wait; " \
         "2 units" in stderr
+
+
+def test_the_chosen_knobs_are_an_artifact_and_a_log_line(traced):
+    stderr, artifacts, _ = traced
+    for kind in ("forward", "backward"):
+        choice = json.loads(artifacts[f"fxshard_{kind}_choice"])
+        knobs = [c["knobs"] for c in choice["candidates"]]
+        assert knobs[0] == 'bucket="auto", prefetch=1, max_inflight_gathers=2' and len(knobs) == 3, knobs
+        assert choice["memory_budget"] == 1 << 40 and all(c["fits"] for c in choice["candidates"])
+        assert f"graph 0 {kind}: chose {knobs[choice['chosen']]}" in stderr
