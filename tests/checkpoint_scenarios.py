@@ -3,7 +3,10 @@
 Every run trains the MLP (``scenarios.build_model("mlp")``: fc1 16 x 8, fc2 5 x 16) with AdamW on one stream of
 global batches of 12 rows, each rank its slice, so runs at world sizes 2 and 3 and FSDP2 runs see the same data.
 At world 2, fc1's rows split evenly over the ranks (a DTensor's rows are the flat shard) and fc2's 5 rows do not (the
-rows cross shard boundaries): both conversions run. At world 3 neither weight splits evenly.
+rows cross shard boundaries): both conversions run. At world 3 neither weight splits evenly (16 rows: 6 / 6 / 4; 5
+rows: 2 / 2 / 1); the biases, 1-D, are views of the flat shards at every world size.
+
+The tests save at world 2 and at world 3 and load each checkpoint at the other, so every function here runs at both.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 import fxshard
 from fxshard import checkpoint
+from fxshard.prepare import gather_full, spec_of
 from fxshard.testing import rank_and_world
 from scenarios import build_model, global_batch, hybrid_mesh, make_optimizer, peak_allocated_bytes
 
@@ -81,26 +85,56 @@ def _local_elements(state_dict: dict) -> int:
     return sum(v.to_local().numel() for v in state_dict.values() if isinstance(v, DTensor))
 
 
+def _layout(value, flat: torch.Tensor | None = None) -> dict:
+    """How a state dict holds one tensor: a DTensor's full shape, placements, mesh size, local shape, and whether its
+    local tensor shares storage with ``flat`` (the flat shard it was made from)."""
+    if not isinstance(value, DTensor):
+        return {"type": type(value).__name__, "shape": tuple(value.shape)}
+    local = value.to_local()
+    shares = flat is not None and local.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    return {"type": "DTensor", "shape": tuple(value.shape), "placements": tuple(value.placements),
+            "mesh_size": value.device_mesh.size(), "local_shape": tuple(local.shape), "view_of_shard": shares}
+
+
+def _layouts(model, opt, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+    """``_layout`` of every entry of ``model.state_dict()`` and of ``opt.state_dict()`` (as ``name.kind``), each
+    beside the flat shard (parameter, optimizer state) it was made from."""
+    shards = dict(model.named_parameters())
+    updated = [p for group in opt.param_groups for p in group["params"]]
+    model_layout = {k: _layout(v, shards.get(k)) for k, v in model_sd.items()}
+    optim_layout = {f"{spec_of(updated[key]).name}.{kind}": _layout(value, opt.state[updated[key]][kind])
+                    for key, kinds in optim_sd["state"].items() for kind, value in kinds.items()}
+    return model_layout, optim_layout
+
+
+def _gathered_from_flat_shards(model) -> dict:
+    """Every parameter's full value gathered straight from its flat shard (not through a state dict): what a single
+    process training the same steps holds. A collective."""
+    return {name: gather_full(shard, spec_of(shard)) for name, shard in model.named_parameters()}
+
+
 def save_and_continue(directory: str) -> dict:
     """At stage 3 (compiled): train, save the checkpoint three ways (torch's ``get_state_dict`` + ``dcp.save`` under
     ``torch_api``; ``model.state_dict()`` / ``opt.state_dict()`` + ``dcp.save`` under ``plain``;
     ``fxshard.checkpoint.save`` under ``saved``), train on. Then, for each of the first two, prepare afresh (an
     optimizer without state), load it the way it was saved, and train the same steps again."""
-    rank, world = rank_and_world()
     root = pathlib.Path(directory)
+    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     backend, model, opt, run = _prepared(3, compiled=True)
+    initial_full_model, _ = checkpoint.get_state_dict(model, opt, options=full_options)
     batches = _batches()
     before = _train(run, opt, batches, STEPS_BEFORE)
     model_sd, optim_sd = torch_get_state_dict(run, opt)  # the compiled wrapper, as FSDP2 users pass theirs
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root / "torch_api")
     ours = checkpoint.get_state_dict(model, opt)
-    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=root / "plain")
+    plain_model, plain_optim = model.state_dict(), opt.state_dict()
+    model_layout, optim_layout = _layouts(model, opt, plain_model, plain_optim)
+    dcp.save({"model": plain_model, "optim": plain_optim}, checkpoint_id=root / "plain")
+    del plain_model, plain_optim
     checkpoint.save(model, opt, root / "saved", extra_state={"step": STEPS_BEFORE})
-    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_model, full_optim = checkpoint.get_state_dict(model, opt, options=full_options)
     every_rank_full_optim = backend.full_optimizer_state_dict()
-    layouts = {k: (type(v).__name__, tuple(v.shape), v.to_local().shape[0] if isinstance(v, DTensor) else None)
-               for k, v in model_sd.items()}
+    gathered_model = _gathered_from_flat_shards(model)
     same_as_torch = (
         model_sd.keys() == ours[0].keys()
         and all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model_sd.values(), ours[0].values()))
@@ -131,18 +165,68 @@ def save_and_continue(directory: str) -> dict:
     resumed_saved = _train(fresh_run, fresh_opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
     return {
         "before": before, "after": after, "resumed_plain": resumed_plain, "resumed_torch_api": resumed_torch_api,
-        "resumed_saved": resumed_saved, "extra": extra, "layouts": layouts, "same_as_torch": same_as_torch,
-        "state_after_template": state_after_template,
+        "resumed_saved": resumed_saved, "extra": extra, "same_as_torch": same_as_torch,
+        "model_layout": model_layout, "optim_layout": optim_layout, "state_after_template": state_after_template,
         "full_model": full_model, "full_optim": full_optim, "every_rank_full_optim": every_rank_full_optim,
-        "local_model_elements": _local_elements(model_sd),
+        "initial_full_model": initial_full_model, "single_process_initial": build_model("mlp").state_dict(),
+        "gathered_model": gathered_model, "local_model_elements": _local_elements(model_sd),
     }
 
 
-def resume_at_stage(directory: str, stage: int) -> dict:
-    """Load the world-2 stage-3 checkpoints into a fresh prepare for ``stage`` at this world size and train on:
-    ``torch_api`` through fxshard.checkpoint.load (any stage, stage 1 included), ``plain`` through
-    ``dcp.load(model.state_dict(), opt.state_dict())``; then the misuses, each refused before anything changed."""
+def save_at_stages(directory: str, stages: tuple[int, ...] = (0, 1, 2)) -> dict:
+    """For each stage: train, save twice (``model.state_dict()`` / ``opt.state_dict()`` + ``dcp.save`` into
+    ``plain_stage_<s>``; ``fxshard.checkpoint.get_state_dict`` + ``dcp.save`` into ``named_stage_<s>``), train on;
+    then prepare afresh at the same stage, load each the way it was saved and train the same steps again."""
     root = pathlib.Path(directory)
+    results = {}
+    for stage in stages:
+        _, model, opt, run = _prepared(stage)
+        batches = _batches()
+        _train(run, opt, batches, STEPS_BEFORE)
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=root / f"plain_stage_{stage}")
+        model_sd, optim_sd = checkpoint.get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root / f"named_stage_{stage}")
+        del model_sd, optim_sd
+        after = _train(run, opt, batches, STEPS_AFTER)
+
+        _, model, opt, run = _prepared(stage)
+        template = {"model": model.state_dict(), "optim": opt.state_dict()}
+        dcp.load(template, checkpoint_id=root / f"plain_stage_{stage}")
+        model.load_state_dict(template["model"])
+        opt.load_state_dict(template["optim"])
+        resumed_plain = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
+
+        _, model, opt, run = _prepared(stage)
+        model_sd, optim_sd = checkpoint.get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=root / f"named_stage_{stage}")
+        checkpoint.set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        resumed_named = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
+        results[stage] = {"after": after, "resumed_plain": resumed_plain, "resumed_named": resumed_named}
+    return results
+
+
+# The stage-0/1/2 checkpoint each stage loads at another world size: every saving stage is loaded at another one.
+RESHARD_SOURCE = {0: 1, 1: 2, 2: 0, 3: 1}
+
+
+def resume_at_stage(directory: str, stage: int) -> dict:
+    """Load checkpoints saved at another world size into a fresh prepare for ``stage`` at this world size and train
+    on: the stage-3 ``torch_api`` through fxshard.checkpoint.load (any stage, stage 1 included), the stage-3 ``plain``
+    through ``dcp.load(model.state_dict(), opt.state_dict())``, and the same two ways the checkpoints saved at stage
+    ``RESHARD_SOURCE[stage]`` (``named_stage_<s>``, ``plain_stage_<s>``)."""
+    root = pathlib.Path(directory)
+    source = RESHARD_SOURCE[stage]
+    _, model, opt, run = _prepared(stage)
+    checkpoint.load(model, opt, root / f"named_stage_{source}")
+    named_from_stage = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
+
+    _, model, opt, run = _prepared(stage)
+    template = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(template, checkpoint_id=root / f"plain_stage_{source}")
+    model.load_state_dict(template["model"])
+    opt.load_state_dict(template["optim"])
+    plain_from_stage = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
+
     _, model, opt, run = _prepared(stage)
     checkpoint.load(model, opt, root / "torch_api")
     through_load = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
@@ -153,7 +237,8 @@ def resume_at_stage(directory: str, stage: int) -> dict:
     model.load_state_dict(template["model"])
     opt.load_state_dict(template["optim"])
     through_plain = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
-    return {"through_load": through_load, "through_plain": through_plain}
+    return {"through_load": through_load, "through_plain": through_plain, "source": source,
+            "named_from_stage": named_from_stage, "plain_from_stage": plain_from_stage}
 
 
 def resume_on_a_mesh(directory: str, stage: int, mesh_shape: tuple) -> dict:
@@ -184,65 +269,132 @@ def resume_on_a_mesh(directory: str, stage: int, mesh_shape: tuple) -> dict:
             "gathers": len(gathers)}
 
 
-def misuse_is_refused(directory: str) -> dict:
-    """Loading a checkpoint of another model, or one with a shard file gone, raises FxShardError before the model or
-    the optimizer changed."""
-    root = pathlib.Path(directory)
-    errors = {}
-    torch._dynamo.reset()
-    other = build_model("mlp_uneven")
-    backend = fxshard.backend(compiler="eager", stage=3)
-    other, other_opt = backend.prepare(other, make_optimizer("adamw", other.parameters()))
-    before = [p.detach().clone() for p in other.parameters()]
-    try:
-        checkpoint.load(other, other_opt, root / "torch_api")
-    except fxshard.FxShardError as error:
-        errors["other model"] = str(error)
-    try:
-        checkpoint.set_state_dict(other, other_opt, model_state_dict={"fc1.weight": torch.zeros(3)},
-                                  optim_state_dict={"state": {}, "param_groups": []})
-    except fxshard.FxShardError as error:
-        errors["other state dict"] = str(error)
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, other.parameters())) and not other_opt.state
+def _snapshot(model, opt) -> tuple:
+    """Copies of what a load could change: this rank's parameter shards, every optimizer state, the groups'
+    hyperparameters."""
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{kind: v.clone() if torch.is_tensor(v) else v for kind, v in opt.state[p].items()}
+             for group in opt.param_groups for p in group["params"]]
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+    return params, state, groups
 
-    _, model, opt, _ = _prepared(3)
-    before = [p.detach().clone() for p in model.parameters()]
-    damaged = root / "damaged"
+
+def _same(a: tuple, b: tuple) -> bool:
+    (params_a, state_a, groups_a), (params_b, state_b, groups_b) = a, b
+    return (
+        all(torch.equal(x, y) for x, y in zip(params_a, params_b, strict=True))
+        and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k]
+                                             for k in x) for x, y in zip(state_a, state_b, strict=True))
+        and groups_a == groups_b
+    )
+
+
+def _on_first_rank(action) -> None:
+    """Change the files on one rank; the others wait until it is done."""
     if rank_and_world()[0] == 0:
-        import shutil
-
-        shutil.copytree(root / "saved", damaged)
-        os.remove(damaged / "__1_0.distcp")
+        action()
     dist.barrier()
-    try:
-        checkpoint.load(model, opt, damaged)
-    except fxshard.FxShardError as error:
-        errors["missing shard"] = str(error)
-    unchanged = unchanged and all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
-    return {"errors": errors, "unchanged": unchanged}
+
+
+def misuse_is_refused(directory: str) -> dict:
+    """A trained stage-3 model and optimizer (with state), and every misuse docs/checkpointing.md lists: each must
+    raise FxShardError and leave the parameters, the optimizer state and the groups' hyperparameters as they were.
+    Also what a raw ``dcp.load`` of another model's checkpoint raises, and what ``latest`` picks beside a killed
+    save's ``.partial`` directory and a directory without ``.metadata``."""
+    import shutil
+
+    root = pathlib.Path(directory)
+    torch._dynamo.reset()
+    other = build_model("mlp_uneven")  # the same names, other shapes (fc2.bias alike)
+    other_backend = fxshard.backend(compiler="eager", stage=3)
+    other, other_opt = other_backend.prepare(other, make_optimizer("adamw", other.parameters()))
+    other(torch.randn(4, 7)).square().mean().backward()
+    other_opt.step()
+    other_opt.zero_grad()
+    checkpoint.save(other, other_opt, root / "other_model")
+    other_model_sd, other_optim_sd = checkpoint.get_state_dict(other, other_opt)
+    other_plain_optim = other_opt.state_dict()
+
+    _, model, opt, run = _prepared(3)
+    _train(run, opt, _batches(), 1)
+    saved_files = sorted((p.name, p.stat().st_size) for p in (root / "saved").iterdir())
+
+    def without(directory: pathlib.Path, name: str) -> None:
+        shutil.copytree(root / "saved", directory)
+        os.remove(directory / name)
+
+    def truncated() -> None:
+        shutil.copytree(root / "saved", root / "truncated")
+        with open(root / "truncated" / "__1_0.distcp", "r+b") as file:
+            file.truncate(os.path.getsize(root / "saved" / "__1_0.distcp") // 2)
+
+    _on_first_rank(lambda: without(root / "missing_shard", "__1_0.distcp"))
+    _on_first_rank(truncated)
+    _on_first_rank(lambda: without(root / "step_000002.partial", ".metadata"))
+    refused_options = StateDictOptions(broadcast_from_rank0=True)
+    attempts = {
+        "other model": lambda: checkpoint.load(model, opt, root / "other_model"),
+        "other state dict": lambda: checkpoint.set_state_dict(model, opt, model_state_dict=other_model_sd,
+                                                              optim_state_dict=other_optim_sd),
+        "other optimizer state dict": lambda: opt.load_state_dict(other_plain_optim),
+        "missing shard": lambda: checkpoint.load(model, opt, root / "missing_shard"),
+        "truncated shard": lambda: checkpoint.load(model, opt, root / "truncated"),
+        "partial": lambda: checkpoint.load(model, opt, root / "step_000002.partial"),
+        "no such directory": lambda: checkpoint.load(model, opt, root / "step_000099"),
+        "save into an existing path": lambda: checkpoint.save(model, opt, root / "saved"),
+        "broadcast_from_rank0": lambda: checkpoint.set_model_state_dict(model, {}, options=refused_options),
+    }
+    errors, unchanged = {}, {}
+    for misuse, attempt in attempts.items():
+        before = _snapshot(model, opt)
+        try:
+            attempt()
+            errors[misuse] = None
+        except fxshard.FxShardError as error:
+            errors[misuse] = str(error)
+        unchanged[misuse] = _same(before, _snapshot(model, opt))
+    saved_untouched = saved_files == sorted((p.name, p.stat().st_size) for p in (root / "saved").iterdir())
+
+    raw_dcp_error = None
+    try:  # DCP's own recipe has no such check: DCP raises its own error
+        dcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=root / "other_model")
+    except BaseException as error:  # CheckpointException derives from BaseException
+        raw_dcp_error = type(error).__name__
+
+    newest = root / "newest"
+    _on_first_rank(lambda: (shutil.copytree(root / "saved", newest / "step_000001"),
+                            shutil.copytree(root / "step_000002.partial", newest / "step_000002.partial"),
+                            (newest / "step_000003").mkdir()))
+    return {"errors": errors, "unchanged": unchanged, "saved_untouched": saved_untouched,
+            "raw_dcp_error": raw_dcp_error, "latest": checkpoint.latest(newest).name}
 
 
 def fsdp2_interop(directory: str) -> dict:
-    """FSDP2 <-> fxshard through DCP: FSDP2 trains and saves (get_state_dict + dcp.save), trains on; fxshard stage 1
-    loads FSDP2's checkpoint and trains the same steps; FSDP2 loads fxshard's stage-3 checkpoint (get_state_dict
+    """FSDP2 <-> fxshard through DCP: FSDP2 trains and saves (get_state_dict + dcp.save), trains on; fxshard at each
+    stage 0-3 loads FSDP2's checkpoint and trains the same steps; FSDP2 loads fxshard's checkpoints saved at another
+    world size at stages 3 (torch's get_state_dict), 1 and 2 (fxshard.checkpoint.get_state_dict) (a get_state_dict
     template, dcp.load, set_state_dict) and trains the same steps."""
     root = pathlib.Path(directory)
     model, opt = _fsdp2()
     batches = _batches()
     fsdp2_before = _train(model, opt, batches, STEPS_BEFORE)
     model_sd, optim_sd = torch_get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root / "fsdp2")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root / f"fsdp2_world_{rank_and_world()[1]}")
     fsdp2_after = _train(model, opt, batches, STEPS_AFTER)
 
-    _, fx_model, fx_opt, fx_run = _prepared(1)
-    checkpoint.load(fx_model, fx_opt, root / "fsdp2")
-    fxshard_from_fsdp2 = _train(fx_run, fx_opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
+    fxshard_from_fsdp2 = {}
+    for stage in (0, 1, 2, 3):
+        _, fx_model, fx_opt, fx_run = _prepared(stage)
+        checkpoint.load(fx_model, fx_opt, root / f"fsdp2_world_{rank_and_world()[1]}")
+        fxshard_from_fsdp2[stage] = _train(fx_run, fx_opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
 
-    model, opt = _fsdp2()
-    model_template, optim_template = torch_get_state_dict(model, opt)
-    dcp.load({"model": model_template, "optim": optim_template}, checkpoint_id=root / "torch_api")
-    torch_set_state_dict(model, opt, model_state_dict=model_template, optim_state_dict=optim_template)
-    fsdp2_from_fxshard = _train(model, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
+    fsdp2_from_fxshard = {}
+    for stage, name in ((3, "torch_api"), (1, "named_stage_1"), (2, "named_stage_2")):
+        model, opt = _fsdp2()
+        model_template, optim_template = torch_get_state_dict(model, opt)
+        dcp.load({"model": model_template, "optim": optim_template}, checkpoint_id=root / name)
+        torch_set_state_dict(model, opt, model_state_dict=model_template, optim_state_dict=optim_template)
+        fsdp2_from_fxshard[stage] = _train(model, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
     return {"fsdp2_before": fsdp2_before, "fsdp2_after": fsdp2_after, "fxshard_from_fsdp2": fxshard_from_fsdp2,
             "fsdp2_from_fxshard": fsdp2_from_fxshard}
 
@@ -260,8 +412,6 @@ def peak_during_save(directory: str, model_name: str = "layers") -> dict:
     """Stage 3, one AdamW step (so the optimizer has its state), then the peak bytes allocated during
     ``fxshard.checkpoint.save``, beside the bytes of the largest parameter, of this rank's shards (parameters and
     optimizer state) and of the whole model and optimizer state in full."""
-    from fxshard.prepare import spec_of
-
     rank, world = rank_and_world()
     torch._dynamo.reset()
     model = _model_for_memory(model_name)
