@@ -19,7 +19,8 @@ parameter's ``full_tensor()``, cut down to this rank's flat shard).
 
 DCP keys optimizer state by parameter name only through ``get_state_dict``, which finds a parameter's name by
 identity in ``model.named_parameters()``. Stage 1's optimizer updates master shards that are not the model's
-parameters, so torch's ``get_state_dict`` cannot name them (``KeyError: 0``); the functions here (same signatures as
+parameters, so torch's ``get_state_dict`` cannot name them (``fxshard.optim`` refuses it with FxShardError where
+torch would raise ``KeyError: 0``); the functions here (same signatures as
 torch's ``get_state_dict`` / ``set_state_dict`` and their model / optimizer halves) name every state by the
 parameter's own name, at every stage, and produce exactly what torch's produce for stages 0, 2 and 3.
 
