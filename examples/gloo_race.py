@@ -49,7 +49,9 @@ def race(args: argparse.Namespace) -> None:
     shards = [torch.randn(args.size) for _ in range(args.in_flight)]
     start = time.monotonic()
     for i in range(args.iters):
-        # ALLGATHER's op name is longer than std::string's inline buffer, so each status update allocates.
+        # On gloo a functional all_gather_into_tensor runs as allgather_coalesced: its op name, ALLGATHER_COALESCED
+        # (19 characters), is longer than std::string's 15-character inline buffer, so each status update
+        # allocates a new buffer and frees the old one.
         gathered = [c10d.all_gather_into_tensor(shard, world_size, group.group_name) for shard in shards]
         for tensor in gathered:
             c10d.wait_tensor(tensor)

@@ -201,6 +201,23 @@ def summary_rows(results: list[RunResult], configs: list[StressConfig]) -> list[
     return rows
 
 
+def soak_failures(rss: list[int], graphs_after_first_step: int, graphs_at_end: int) -> list[str]:
+    """The soak's criteria that one rank's figures break (an empty list: the rank passed). ``rss``: its resident
+    bytes after each step. Its RSS from step ``SOAK_RSS_FROM_STEP`` on must stay within ``SOAK_RSS_TOLERANCE``
+    (max over min), and Dynamo must compile no graph after the first step (``unique_graphs`` then and at the end)."""
+    broken = []
+    settled = rss[SOAK_RSS_FROM_STEP:]
+    if not settled:
+        broken.append(f"only {len(rss)} steps: RSS is judged from step {SOAK_RSS_FROM_STEP} on")
+    elif max(settled) / min(settled) - 1 > SOAK_RSS_TOLERANCE:
+        broken.append(f"RSS varied by {100 * (max(settled) / min(settled) - 1):.2f}% (max/min - 1) from step "
+                      f"{SOAK_RSS_FROM_STEP} on, more than {100 * SOAK_RSS_TOLERANCE:.0f}%")
+    new_graphs = graphs_at_end - graphs_after_first_step
+    if new_graphs:
+        broken.append(f"{new_graphs} graph(s) compiled after the first step (a recompilation)")
+    return broken
+
+
 # -- the ranks -----------------------------------------------------------------------------------------------------
 def capture_output(log_path: str) -> None:
     """Send this process's file descriptors 1 and 2 to ``log_path``, line-buffered: what C++ and glibc write
@@ -400,7 +417,7 @@ def soak(args: argparse.Namespace, log_dir: pathlib.Path) -> int:
     if result.outcome != "ok":
         print(result.explain())
         return 1
-    failed = False
+    broken_criteria: list[str] = []
     rows = []
     for rank in ranks:
         figures = json.loads(pathlib.Path(rank.log + ".json").read_text())
@@ -409,7 +426,8 @@ def soak(args: argparse.Namespace, log_dir: pathlib.Path) -> int:
         spread = high / low - 1
         drift = last / settled[0] - 1
         new_graphs = figures["graphs_at_end"] - figures["graphs_after_first_step"]
-        failed |= spread > SOAK_RSS_TOLERANCE or new_graphs != 0
+        broken = soak_failures(figures["rss"], figures["graphs_after_first_step"], figures["graphs_at_end"])
+        broken_criteria.extend(f"rank {rank.rank}: {criterion}" for criterion in broken)
         rows.append([rank.rank, len(figures["rss"]), f"{figures['seconds']:.0f}",
                      f"{1000 * figures['seconds'] / len(figures['rss']):.0f}", f"{settled[0] / 2**20:.1f}",
                      f"{low / 2**20:.1f}", f"{high / 2**20:.1f}", f"{last / 2**20:.1f}", f"{100 * spread:.2f}%",
@@ -418,9 +436,12 @@ def soak(args: argparse.Namespace, log_dir: pathlib.Path) -> int:
     print(tabulate(rows, headers=["rank", "steps", "s", "ms/step", f"RSS@{SOAK_RSS_FROM_STEP} MiB", "min MiB",
                                   "max MiB", "last MiB", "max/min-1", "last vs first", "graphs@step1",
                                   "new graphs", "fxshard graphs"]))
+    for criterion in broken_criteria:
+        print(criterion)
     print(f"criteria: no death or failure (ok); RSS max/min - 1 <= {100 * SOAK_RSS_TOLERANCE:.0f}% from step "
-          f"{SOAK_RSS_FROM_STEP} on; 0 new graphs after the first step -> {'FAILED' if failed else 'passed'}")
-    return 1 if failed else 0
+          f"{SOAK_RSS_FROM_STEP} on; 0 new graphs after the first step -> "
+          f"{'FAILED' if broken_criteria else 'passed'}")
+    return 1 if broken_criteria else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -447,7 +468,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compilers", type=names(fxshard.api.COMPILERS), default=list(fxshard.api.COMPILERS),
                         help="comma-separated; the soak uses the first (default: eager)")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds before a stress run counts as hung")
-    parser.add_argument("--log-dir", type=pathlib.Path, help="where the ranks' output goes (default: a new /tmp folder)")
+    parser.add_argument("--log-dir", type=pathlib.Path,
+                        help="where the ranks' output goes (default: a new /tmp folder)")
     args = parser.parse_args(argv)
     if args.soak and args.compilers == list(fxshard.api.COMPILERS):
         args.compilers = ["eager"]

@@ -45,23 +45,40 @@ def _uses_gloo(group) -> bool:
     return backend == "gloo" or "cpu:gloo" in backend.split(",")
 
 
-_TWINS: dict[tuple[str, float], dist.ProcessGroup] = {}  # (user group's name, timeout) -> its one-thread twin
+# (user group's name, timeout) -> (that group, its one-thread twin). A name is not an identity: after
+# destroy_process_group() and a new init_process_group() the new default group is named like the old one.
+_TWINS: dict[tuple[str, float], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def _live_twin(key: tuple[str, float], group) -> dist.ProcessGroup | None:
+    """The twin made for ``group`` under ``key``, if both are still the groups registered under their names."""
+    source, twin = _TWINS.get(key, (None, None))
+    if twin is None or source is not group:
+        return None
+    try:
+        current = dist.distributed_c10d._resolve_process_group(twin.group_name)
+    except (RuntimeError, ValueError):  # destroyed since (destroy_process_group)
+        return None
+    return twin if current is twin else None
 
 
 def collective_group(group, timeout_s: float) -> dist.ProcessGroup:
     """The group fxshard's collectives over ``group``'s ranks run on: a one-worker-thread gloo twin of a gloo
-    ``group`` (made once per group and timeout, by every rank of ``group`` together), else ``group`` itself."""
+    ``group`` (made once per group and timeout, by every rank of ``group`` together, and made anew for a group
+    that replaced a destroyed one of the same name), else ``group`` itself."""
     if not _uses_gloo(group):
         return group
     key = (group.group_name, float(timeout_s))
-    if key not in _TWINS:
+    twin = _live_twin(key, group)
+    if twin is None:
         if ONE_THREAD_GLOO.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(ONE_THREAD_GLOO, _one_thread_gloo, devices=["cpu"])
-        _TWINS[key] = dist.new_group(
+        twin = dist.new_group(
             ranks=dist.get_process_group_ranks(group), backend=ONE_THREAD_GLOO,
             timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True,
         )
-    return _TWINS[key]
+        _TWINS[key] = (group, twin)
+    return twin
 
 
 def gloo_worker_threads(group_name: str) -> int | None:
@@ -75,7 +92,8 @@ def gloo_worker_threads(group_name: str) -> int | None:
 
 
 # What a collective's failure says, on gloo (a peer's socket closed, or no peer within the timeout) and on NCCL.
-_PEER_FAILURE = re.compile(r"third_party/gloo|Connection (closed|reset) by peer|Timed out waiting|caused pair closure|NCCL (error|timeout)")
+_PEER_FAILURE = re.compile(r"third_party/gloo|Connection (closed|reset) by peer|Timed out waiting|caused pair closure|"
+                           r"NCCL (error|timeout)")
 
 
 def is_peer_failure(error: BaseException) -> bool:

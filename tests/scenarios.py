@@ -9,6 +9,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxshard
 from examples.models import GPT, MLP, GPTConfig, gpt_batch
@@ -663,3 +664,67 @@ def worker_threads_of_groups() -> dict:
     fxshard.backend(compiler="eager", stage=3).prepare(model)
     return {"user": gloo_worker_threads(torch.distributed.group.WORLD.group_name),
             "fxshard": gloo_worker_threads(spec_of(model.fc1._parameters["weight"]).group_name)}
+
+
+def abort_once(marker: str) -> str:
+    """Rank 1 aborts (SIGABRT, as glibc's heap checks do) unless ``marker`` exists, which it creates first: a pool
+    that ran the function again after the death would see every rank return."""
+    import os
+
+    rank, _ = rank_and_world()
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        print("rank 1: last words before SIGABRT", flush=True)
+        os.abort()
+    return f"rank {rank} returned"
+
+
+def _group_name_of(node: torch.fx.Node) -> str:
+    """The process group a functional collective node names (its ``group_name`` argument)."""
+    names = [argument.name for argument in node.target._schema.arguments]
+    return {**dict(zip(names, node.args)), **node.kwargs}["group_name"]
+
+
+class _CollectiveGroups(TorchDispatchMode):
+    """Records the group of every functional collective run under it (the optimizer step's run eagerly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.groups: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "_c10d_functional" and func._schema.name != "_c10d_functional::wait_tensor":
+            names = [argument.name for argument in func._schema.arguments]
+            self.groups.append({**dict(zip(names, args)), **kwargs}["group_name"])
+        return func(*args, **kwargs)
+
+
+def worker_threads_of_every_collective(stages=(2, 3)) -> dict:
+    """Per stage, the gloo worker threads of the group of every collective fxshard ran in one training step of
+    the MLP with prefetch: the compiled graphs' (``backend.graphs``) and the optimizer step's, and how many of each
+    there were; and the user's group's threads."""
+    from fxshard.groups import gloo_worker_threads
+    from fxshard.passes.fx_utils import COLLECTIVE_ROLES
+
+    rank, _ = rank_and_world()
+    found = {"user": gloo_worker_threads(torch.distributed.group.WORLD.group_name)}
+    for stage in stages:
+        torch._dynamo.reset()
+        model = build_model("mlp")
+        backend = fxshard.backend(compiler="eager", stage=stage, prefetch=1)
+        model, opt = backend.prepare(model, make_optimizer("sgd", model.parameters()))
+        inputs, targets = global_batch("mlp", PER_RANK_BATCH, torch.Generator().manual_seed(rank))
+        F.mse_loss(torch.compile(model, backend=backend)(inputs), targets).backward()
+        in_graphs = [_group_name_of(node) for record in backend.graphs if record.final is not None
+                     for node in record.final.graph.nodes
+                     if node.meta.get("fxshard", {}).get("role") in COLLECTIVE_ROLES]
+        with _CollectiveGroups() as step:
+            opt.step()
+        found[stage] = {
+            "graph collectives": len(in_graphs),
+            "graph threads": sorted({gloo_worker_threads(name) for name in in_graphs}),
+            "step collectives": len(step.groups),
+            "step threads": sorted({gloo_worker_threads(name) for name in step.groups}),
+        }
+    return found

@@ -6,6 +6,7 @@ from torch import nn
 
 import fxshard
 from examples.models import MLP
+from fxshard.passes.context import COLLECTIVE_TIMEOUT_S, PassContext
 from fxshard.testing import fake_process_group
 
 
@@ -37,10 +38,17 @@ def test_unknown_compiler():
     ({"reduce_dtype": "fp32"}, "reduce_dtype must be a floating torch.dtype"),
     ({"schedule": "prefetch-all"}, "schedule must be a function"),
     ({"memory_budget": 0}, "memory_budget must be a positive number of bytes"),
+    ({"collective_timeout_s": 0}, "collective_timeout_s must be a positive number of seconds, got 0"),
+    ({"collective_timeout_s": True}, "collective_timeout_s must be a positive number of seconds, got True"),
 ])
 def test_bad_backend_options(options, message):
     with pytest.raises(fxshard.FxShardError, match=message):
         fxshard.backend(stage=3, **{"compiler": "eager", **options})
+
+
+def test_a_rank_waits_30_seconds_for_its_peers_unless_told_otherwise():
+    assert COLLECTIVE_TIMEOUT_S == 30
+    assert PassContext.__dataclass_fields__["collective_timeout_s"].default == COLLECTIVE_TIMEOUT_S
 
 
 def test_prepare_without_process_group():

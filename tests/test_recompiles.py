@@ -1,5 +1,7 @@
-"""New batch sizes and sequence lengths recompile a prepared model once (to dynamic shapes), then never."""
+"""New batch sizes and sequence lengths recompile a prepared model once (to dynamic shapes), then never, at
+every stage."""
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -11,12 +13,13 @@ from fxshard.testing import fake_process_group
 SHAPES = [(2, 16), (3, 8), (4, 12), (5, 5), (7, 9)]
 
 
-def test_varying_batch_and_sequence_compile_one_dynamic_graph():
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_varying_batch_and_sequence_compile_one_dynamic_graph(stage):
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     with fake_process_group(2):  # the graphs, not the numbers
-        backend = fxshard.backend(compiler="eager", stage=3)
+        backend = fxshard.backend(compiler="eager", stage=stage)
         model = GPT(GPTConfig(n_layer=1))
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         compiled = torch.compile(model, backend=backend)

@@ -1,6 +1,10 @@
-"""examples/stress.py's verdicts, on made-up rank exits (the real stress runs are a command, not a test)."""
+"""examples/stress.py's verdicts, on made-up rank exits and soak figures, and one real short run of the command
+(the real stress runs and the soak are a command, not a test)."""
 
-from examples.stress import RankExit, RunResult, StressConfig, parse_args, summary_rows
+import json
+
+from examples import stress
+from examples.stress import RankExit, RunResult, StressConfig, parse_args, soak_failures, summary_rows
 
 STAGE3 = StressConfig("gpt", 3, 1, "eager")
 STAGE0 = StressConfig("llama", 0, 0, "inductor")
@@ -13,7 +17,8 @@ GLOO_RACE_DEATH = [
     "Thread 0x00007f6b925bab80 (most recent call first):",
     '  File "examples/stress.py", line 224 in rank_main',
 ]
-PEER_OF_A_DEATH = ["Traceback (most recent call last):", "RuntimeError: [pair.cc:537] Read error: Connection reset by peer"]
+PEER_OF_A_DEATH = ["Traceback (most recent call last):",
+                   "RuntimeError: [pair.cc:537] Read error: Connection reset by peer"]
 
 
 def run(config, *ranks) -> RunResult:
@@ -58,3 +63,32 @@ def test_command_line():
     assert args.compilers == ["eager", "inductor"]
     soak = parse_args(["--soak"])
     assert (soak.soak, soak.steps, soak.compilers) == (True, 2000, ["eager"])
+
+
+MIB = 2**20
+
+
+def test_a_soak_passes_with_flat_memory_after_step_100_and_no_new_graph():
+    warming_up = [300 * MIB + step * MIB for step in range(100)]  # growth before step 100 is not judged
+    settled = [400 * MIB + (step % 7) * MIB for step in range(1900)]  # 1.5% of noise
+    assert soak_failures(warming_up + settled, graphs_after_first_step=1, graphs_at_end=1) == []
+
+
+def test_a_soak_fails_on_memory_that_grows_3_percent_or_on_a_recompilation():
+    growing = [400 * MIB] * 100 + [400 * MIB + step * 12 * MIB // 1900 for step in range(1900)]  # +3%
+    assert soak_failures(growing, 1, 1) == ["RSS varied by 3.00% (max/min - 1) from step 100 on, more than 2%"]
+    flat = [400 * MIB] * 2000
+    assert soak_failures(flat, 1, 2) == ["1 graph(s) compiled after the first step (a recompilation)"]
+    assert len(soak_failures(growing, 1, 3)) == 2
+
+
+def test_one_real_stress_run_ends_ok(tmp_path, monkeypatch):
+    for variable in ("LIBC_FATAL_STDERR_", "OMP_NUM_THREADS"):  # main sets them for the ranks it starts
+        monkeypatch.setenv(variable, "1")
+    argv = ["--runs", "1", "--steps", "3", "--stages", "3", "--prefetch", "1", "--models", "llama",
+            "--compilers", "eager", "--log-dir", str(tmp_path)]
+    assert stress.main(argv) == 0
+    (result,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert result["outcome"] == "ok" and [r["exitcode"] for r in result["ranks"]] == [0, 0], result
+    assert result["config"] == {"model": "llama", "stage": 3, "prefetch": 1, "compiler": "eager"}
+    assert "rank 1: step 2 loss" in (tmp_path / "run0000-llama-s3-p1-eager-rank1.log").read_text()
