@@ -335,8 +335,7 @@ def worker(rank: int, world: int, port: int, name: str, no_comm: bool, args, out
     inputs, targets = next(data)
     held = held_between_steps(config, model, optimizer)
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
-        train_step(inputs, targets)
+    prof = profiled(lambda: train_step(inputs, targets))
     asked, ran = count_collectives(prof)
     if args.trace and not no_comm:
         write_traces(name, prof, backend, lambda: train_step(*next(data)), world, pathlib.Path(args.trace))
@@ -360,6 +359,14 @@ def worker(rank: int, world: int, port: int, name: str, no_comm: bool, args, out
     os._exit(0)
 
 
+def profiled(step) -> profile:
+    """``step()`` under the profiler: CPU ops with their inputs' shapes (what the collectives move) and every
+    allocation (the peak)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
+        step()
+    return prof
+
+
 def write_traces(name: str, prof, backend, step, world: int, directory: pathlib.Path) -> None:
     """Rank 0's profiled step as ``<name>-measured.json`` (torch.profiler's Chrome trace) and, for fxshard, the
     simulated step of the same graphs as ``<name>-simulated.json``, on a machine calibrated on this configuration
@@ -381,6 +388,14 @@ def launch(name: str, no_comm: bool, args, out_dir: str) -> list[dict]:
         port = sock.getsockname()[1]
     mp.spawn(worker, args=(args.world_size, port, name, no_comm, args, out_dir), nprocs=args.world_size)
     return json.loads(pathlib.Path(out_dir, f"{name}-{no_comm}.json").read_text())
+
+
+def progress_line(done: int, runs: int, label: str, warmup: int, steps: int, elapsed: float) -> str:
+    """What the run about to start is, after ``done`` of ``runs`` runs took ``elapsed`` seconds: "[3/8] ddp: 3 warm-up
+    + 40 timed steps; elapsed 0:01:10, remaining ~0:03:30" (the runs left at the finished ones' mean)."""
+    remaining = f"~{datetime.timedelta(seconds=round(elapsed / done * (runs - done)))}" if done else "?"
+    return (f"[{done + 1}/{runs}] {label}: {warmup} warm-up + {steps} timed steps; elapsed "
+            f"{datetime.timedelta(seconds=round(elapsed))}, remaining {remaining}")
 
 
 # -- the table -----------------------------------------------------------------------------------------------------
@@ -491,12 +506,9 @@ def main() -> int:
         started = time.monotonic()
 
         def launch_with_progress(name: str, no_comm: bool) -> list[dict]:
-            done = runs.index((name, no_comm))
-            elapsed = time.monotonic() - started
-            remaining = f"~{datetime.timedelta(seconds=round(elapsed / done * (len(runs) - done)))}" if done else "?"
-            print(f"[{done + 1}/{len(runs)}] {name}{' without communication' if no_comm else ''}: "
-                  f"{args.warmup} warm-up + {args.steps} timed steps; elapsed "
-                  f"{datetime.timedelta(seconds=round(elapsed))}, remaining {remaining}", file=sys.stderr, flush=True)
+            label = f"{name}{' without communication' if no_comm else ''}"
+            print(progress_line(runs.index((name, no_comm)), len(runs), label, args.warmup, args.steps,
+                                time.monotonic() - started), file=sys.stderr, flush=True)
             return launch(name, no_comm, args, out_dir)
 
         for name in names:

@@ -1,6 +1,6 @@
 """A custom communication schedule: issue every all-gather at the start of the graph.
 
-    torchrun --standalone --nproc-per-node 2 examples/custom_schedule.py [--steps 5]
+    torchrun --standalone --nproc-per-node 2 examples/custom_schedule.py [--steps 5] [--compiler eager]
     python examples/custom_schedule.py [--steps 5] [--world-size 2]   # spawns its own ranks
 
 fxshard's default ``prefetch_pass`` issues each all-gather a bounded number of units ahead. A researcher who wants
@@ -56,7 +56,7 @@ def train(args: argparse.Namespace) -> None:
     config = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, d_model=64)
     model = GPT(config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    backend = fxshard.backend(stage=3, schedule=gathers_first)
+    backend = fxshard.backend(stage=3, schedule=gathers_first, compiler=args.compiler)
     model, optimizer = backend.prepare(model, optimizer)
     step = torch.compile(model, backend=backend, fullgraph=True)
     generator = torch.Generator().manual_seed(rank)
@@ -79,6 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--compiler", choices=fxshard.api.COMPILERS, default=fxshard.api.DEFAULT_COMPILER,
+                        help="how the rewritten graphs run (default: inductor)")
     args = parser.parse_args()
     run_ranks(train, args, args.world_size)
 

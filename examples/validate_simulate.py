@@ -84,19 +84,23 @@ def validate(args: argparse.Namespace) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     names = [args.calibrate_on] + [name for name in CONFIGURATIONS if name != args.calibrate_on]
     backends, steps = {}, {}
-    for name in names:
+    started = time.monotonic()
+    for index, name in enumerate(names, 1):
         if rank == 0:
-            print(f"{name}: compiling", file=sys.stderr, flush=True)
+            print(f"[{index}/{len(names)}] {name}: compiling (elapsed {time.monotonic() - started:.0f} s)",
+                  file=sys.stderr, flush=True)
         backends[name], steps[name] = prepared_step(CONFIGURATIONS[name], rank, args.batch_size)
         for _ in range(2):  # the first step compiles
             steps[name]()
     compiled = {name: len(backend.graphs) for name, backend in backends.items()}
     if rank == 0:
-        print(f"calibrating on {args.calibrate_on}, then timing {args.steps} rounds", file=sys.stderr, flush=True)
-    started = time.monotonic()
+        print(f"calibrating on {args.calibrate_on} (elapsed {time.monotonic() - started:.0f} s), then timing "
+              f"{args.steps} rounds", file=sys.stderr, flush=True)
+    calibrating = time.monotonic()
     machine = calibrate(backend=backends[args.calibrate_on], step=steps[args.calibrate_on])
     if rank == 0:
-        print(f"calibrated in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        print(f"calibrated in {time.monotonic() - calibrating:.0f} s (elapsed {time.monotonic() - started:.0f} s)",
+              file=sys.stderr, flush=True)
     measured = median_step_seconds(steps, args.steps)
     recompiled = [name for name, backend in backends.items() if len(backend.graphs) != compiled[name]]
     if rank == 0:

@@ -3,6 +3,7 @@
     python -m fxshard budget --params 7.5e9 (--world 64 | --mesh 8x8) --stage 0,1,2,3 [--optimizer adamw]
                              [--param-bytes 2 --grad-bytes 2 --master-bytes 4 --state-bytes 4] [--format json]
     python -m fxshard report script.py [script arguments...] [--format json]
+    python -m fxshard simulate script.py [script arguments...] --trace OUT.json [--world N]
 
 ``budget`` prints the memory per rank and the bytes sent per step of a model of ``--params`` elements without
 running it: it compiles a small stand-in (bias-free linear layers whose backward reads every weight, the ZeRO paper's
@@ -15,12 +16,21 @@ all R*S ranks, and the bytes sent are split into the two dimensions.
 and prints each prepared backend's ledger beside the collective bytes measured in its last optimizer step (the
 script must run two or more: the first compiles, and the profiler also records the collectives that compiling
 traces on fake tensors).
+
+``simulate`` runs a training script the same way and writes the step ``fxshard.simulate`` predicts for the graphs
+its backend compiled as a Chrome trace-event JSON (``backend.trace``: a compute and a communication lane, an event
+per node), to open at ui.perfetto.dev; ``--world N`` predicts for N ranks instead of those the script sharded the
+parameters over. Under torchrun rank 0 writes it; a script that prepares several backends gets one file per backend
+(OUT-0.json, OUT-1.json, ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import pathlib
 import runpy
 import sys
 
@@ -152,13 +162,10 @@ def _mesh_or_world(args) -> tuple[int, int]:
     return replicas, replicas * shards
 
 
-def _report(args, script_args: list[str]) -> int:
-    """Run the script here, recording every backend it prepares and the collectives of each optimizer step."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
+@contextlib.contextmanager
+def _recording_backends():
+    """Yields the list that every ``Backend`` prepared meanwhile is appended to."""
     from . import api
-    from .measure import CollectiveCounter
-    from .report import ledger_report
 
     backends = []
     original_prepare = api.Backend.prepare
@@ -168,18 +175,37 @@ def _report(args, script_args: list[str]) -> int:
         return original_prepare(self, *a, **k)
 
     api.Backend.prepare = recording_prepare
-    sys.argv = [args.script, *script_args]
+    try:
+        yield backends
+    finally:
+        api.Backend.prepare = original_prepare
+
+
+def _run_script(script: str, script_args: list[str], command: str) -> list:
+    """Run ``script`` here with ``script_args``; the backends it prepared in this process (at least one)."""
+    sys.argv = [script, *script_args]
+    with _recording_backends() as backends:
+        runpy.run_path(script, run_name="__main__")
+    if not backends:
+        raise FxShardError(f"{script} prepared no fxshard backend in this process (scripts that spawn their "
+                           f"ranks, e.g. with torch.multiprocessing, give {command} nothing here: run each rank under "
+                           f"torchrun: `torchrun --nproc-per-node 2 -m fxshard {command} script.py`)")
+    return backends
+
+
+def _report(args, script_args: list[str]) -> int:
+    """Run the script here, recording every backend it prepares and the collectives of each optimizer step."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from .measure import CollectiveCounter
+    from .report import ledger_report
+
     with CollectiveCounter() as counter:
         handle = register_optimizer_step_post_hook(lambda *a: counter.mark_step())
         try:
-            runpy.run_path(args.script, run_name="__main__")
+            backends = _run_script(args.script, script_args, "report")
         finally:
-            api.Backend.prepare = original_prepare
             handle.remove()
-    if not backends:
-        raise FxShardError(f"{args.script} prepared no fxshard backend in this process (scripts that spawn their "
-                           "ranks, e.g. with torch.multiprocessing, report nothing here: run each rank under "
-                           "torchrun: `torchrun --nproc-per-node 2 -m fxshard report script.py`)")
     if len(backends) > 1 or counter.steps < 2:
         why = "several backends step in one run" if len(backends) > 1 else f"it ran {counter.steps} optimizer step(s)"
         print(f"fxshard: no measured column: {why}; the report measures the last of two or more steps of one "
@@ -192,6 +218,27 @@ def _report(args, script_args: list[str]) -> int:
         if counter is not None:
             title += f", measured in the last of {counter.steps} optimizer steps"
         print(ledger_report(ledger, format=args.format, measured=counter, title=title))
+    return 0
+
+
+def _simulate(args, script_args: list[str]) -> int:
+    """Run the script here and write the simulated step of each backend it prepared as a Chrome trace."""
+    if args.world is not None and args.world < 1:
+        raise FxShardError("--world must be at least 1")
+    backends = _run_script(args.script, script_args, "simulate")
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank ran the script: rank 0 writes
+        return 0
+    trace = pathlib.Path(args.trace)
+    for index, backend in enumerate(backends):
+        if not backend.graphs:
+            raise FxShardError(f"{args.script}'s backend (stage {backend.stage}) compiled no graph: run a step "
+                               "through torch.compile(model, backend=backend) first")
+        path = trace if len(backends) == 1 else trace.with_name(f"{trace.stem}-{index}{trace.suffix}")
+        timeline = backend.trace(path, world=args.world)
+        print(f"{path}: stage {backend.stage} at {timeline.world} ranks, step {timeline.step_time * 1e3:.3f} ms "
+              f"(compute {timeline.compute_time * 1e3:.3f} ms, communication {timeline.comm_time * 1e3:.3f} ms, "
+              f"{timeline.exposed_comm * 1e3:.3f} ms of it exposed)")
+    print("open the simulated steps at ui.perfetto.dev")
     return 0
 
 
@@ -213,11 +260,19 @@ def main(argv: list[str] | None = None) -> int:
     report = commands.add_parser("report", help="run a training script and print each backend's ledger")
     report.add_argument("--format", choices=["text", "json"], default="text")
     report.add_argument("script")
+    simulate = commands.add_parser("simulate", help="run a training script and write its simulated step as a "
+                                   "Chrome trace (Perfetto)")
+    simulate.add_argument("--trace", required=True, metavar="OUT.json", help="the trace-event JSON to write")
+    simulate.add_argument("--world", type=int, help="ranks to predict for (default: those the script sharded "
+                          "the parameters over)")
+    simulate.add_argument("script")
     args, rest = parser.parse_known_args(argv)
     if args.command == "budget" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    handlers = {"budget": lambda: _budget(args), "report": lambda: _report(args, rest),
+                "simulate": lambda: _simulate(args, rest)}
     try:
-        return _budget(args) if args.command == "budget" else _report(args, rest)
+        return handlers[args.command]()
     except FxShardError as error:
         print(f"fxshard: {error}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from .formula import SumNames, describe
 from .passes.fx_utils import COLLECTIVE_ROLES
 
 FORMATS = ("text", "json")
+REPORT_WIDTH = 120  # characters a line of the text report takes at most, where its columns allow
 
 
 def collectives(gm) -> list[dict]:
@@ -117,9 +118,11 @@ def ledger_rows(ledger: budget.Ledger, measured=None, sums: SumNames | None = No
 
 
 def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None, title: str = "") -> str:
-    """The ledger as a table (``format="text"``) or JSON: each line's closed form, its value at this run's sizes,
-    the measured value where ``measured`` (a ``CollectiveCounter``: its last marked step) gives one, then the per-layer
-    collective schedule in graph order."""
+    """The ledger as a table of memory and one of the bytes per step (``format="text"``) or JSON: each line's
+    closed form, its value at this run's sizes, the measured value where ``measured`` (a ``CollectiveCounter``: its
+    last marked step, or a ``totals()`` dict of one step) gives one, then the per-layer collective schedule in graph
+    order. The text fits in ``REPORT_WIDTH`` characters a line where its columns allow (a schedule row's parameters
+    wrap)."""
     if format not in FORMATS:
         raise FxShardError(f"format must be one of {FORMATS}, got {format!r}")
     sums = SumNames(list(ledger.params))
@@ -134,15 +137,36 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
              f"N={ledger.values[budget.N]}, " + (f"R={ledger.values[budget.R]}, " if budget.R in ledger.values else "")
              + f"Ψ={ledger.at(budget.PSI)}, widths "
              + ", ".join(f"{w}={ledger.values[w]}" for w in budget.WIDTHS)]
-    parts.append(tabulate([(r["section"], r["what"], r["readable"], r["bytes"],
-                            "" if r["measured"] is None else int(r["measured"])) for r in rows],
-                          headers=["", "what", "closed form (N divides every parameter)", "bytes here", "measured"]))
+    # a table per section, a blank line apart: the memory items' long forms and the collectives' long names never
+    # share a line
+    for index, section in enumerate(dict.fromkeys(r["section"] for r in rows)):
+        section_rows = [r for r in rows if r["section"] == section]
+        headers = [section, "closed form (N divides every parameter)", "bytes here"]
+        cells = [[r["what"], r["readable"], r["bytes"]] for r in section_rows]
+        if measured is not None and section == "per step":
+            headers.append("measured")
+            for cell, r in zip(cells, section_rows):
+                cell.append("" if r["measured"] is None else int(r["measured"]))
+        parts.append(("\n" if index else "") + tabulate(cells, headers=headers))
     parts.append("ψ[x]: the elements of parameter x, or of all the parameters of module x; Ψ: of the whole model")
     parts.extend(sums.legend())
     if ledger.schedule:
         parts.append("\ncollective schedule (graph order)")
         every = list(ledger.params)
-        parts.append(tabulate([(s["graph"], s["collective"], s["unit"], describe(s["params"], every), s["bytes"])
-                               for s in ledger.schedule],
-                              headers=["graph", "collective", "unit", "parameters", "bytes in"]))
+        parts.append(_within_width([(s["graph"], s["collective"], s["unit"], describe(s["params"], every), s["bytes"])
+                                    for s in ledger.schedule],
+                                   headers=["graph", "collective", "unit", "parameters", "bytes in"], wrapped=3))
     return "\n".join(parts)
+
+
+def _within_width(rows: list, headers: list[str], wrapped: int) -> str:
+    """``tabulate(rows, headers)``, with the cells of column ``wrapped`` broken onto more lines (at spaces) where
+    the table would be wider than ``REPORT_WIDTH``."""
+    table = tabulate(rows, headers=headers)
+    excess = max(map(len, table.splitlines())) - REPORT_WIDTH
+    if excess <= 0:
+        return table
+    widest = max(len(str(row[wrapped])) for row in rows)
+    widths = [None] * len(headers)
+    widths[wrapped] = max(widest - excess, len(headers[wrapped]))
+    return tabulate(rows, headers=headers, maxcolwidths=widths)

@@ -1,6 +1,20 @@
-"""The benchmark's bookkeeping (examples/benchmark.py): pure functions only, no processes, no timing."""
+"""The benchmark (examples/benchmark.py): its bookkeeping as pure functions, and the Chrome traces it writes of a
+profiled step on a pool of 2 gloo ranks."""
 
-from examples.benchmark import CONFIGS, loss_disagreements, peak_of_running_sum, ring_bytes_sent, unsettled
+import collections
+import json
+import pathlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fxshard
+from examples.benchmark import (
+    CONFIGS, loss_disagreements, peak_of_running_sum, profiled, progress_line, ring_bytes_sent, unsettled, write_traces,
+)
+from examples.models import MLP
+from test_simulate import trace_event_format_errors
 
 
 def test_every_fxshard_stage_has_a_prefetch_and_a_no_prefetch_row():
@@ -33,3 +47,45 @@ def test_unsettled_compares_the_medians_of_the_two_halves():
     assert unsettled([0.2, 0.21, 0.2, 0.19, 0.2, 0.2]) is None
     assert unsettled([0.2, 0.2, 0.2, 0.3, 0.3, 0.3]) == (0.2, 0.3)
     assert unsettled([0.2, 0.5]) is None  # too few steps to tell
+
+
+def test_progress_line_estimates_the_remaining_time_from_the_finished_runs():
+    assert progress_line(0, 4, "ddp", 3, 40, 0.4) == \
+        "[1/4] ddp: 3 warm-up + 40 timed steps; elapsed 0:00:00, remaining ?"
+    assert progress_line(2, 8, "fsdp2 without communication", 1, 5, 70.0) == \
+        "[3/8] fsdp2 without communication: 1 warm-up + 5 timed steps; elapsed 0:01:10, remaining ~0:03:30"
+
+
+def traces_of_a_profiled_step(directory: str) -> None:
+    """Every rank: the MLP at stage 3, one step to compile, one profiled as the benchmark profiles its step, then
+    ``write_traces`` (which calibrates a machine on this configuration: a few more steps)."""
+    torch.manual_seed(0)
+    backend = fxshard.backend(compiler="eager", stage=3)
+    model = MLP()
+    model, optimizer = backend.prepare(model, torch.optim.AdamW(model.parameters()))
+    run = torch.compile(model, backend=backend, fullgraph=True)
+
+    def step():
+        F.mse_loss(run(torch.randn(4, 8)), torch.randn(4, 5)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    write_traces("fxshard-3", profiled(step), backend, step, dist.get_world_size(), pathlib.Path(directory))
+
+
+def test_trace_writes_the_measured_and_the_simulated_step_as_chrome_traces(pools, tmp_path):
+    pools(2).run(traces_of_a_profiled_step, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fxshard-3-measured.json", "fxshard-3-simulated.json"]
+    measured, simulated = (json.loads((tmp_path / f"fxshard-3-{kind}.json").read_text())
+                           for kind in ("measured", "simulated"))
+    assert trace_event_format_errors(measured) == [] and trace_event_format_errors(simulated) == []
+    ran = [e["name"] for e in measured["traceEvents"] if e.get("ph") == "X"]
+    assert "aten::mm" in ran and "Optimizer.step#AdamW.step" in ran, sorted(set(ran))
+    # the same step: the simulator's 3 all-gathers and 2 reduce-scatters, and the ones gloo ran (a reduce-scatter
+    # as an all-reduce)
+    simulated_collectives = collections.Counter(e["name"].split("_fc")[0] for e in simulated["traceEvents"]
+                                                if e["ph"] == "X" and e["args"]["stream"] == "communication")
+    assert simulated_collectives == {"all_gather": 3, "reduce_scatter": 2}
+    assert collections.Counter(n for n in ran if n.startswith("gloo:")) == {"gloo:all_gather": 3, "gloo:all_reduce": 2}
+    assert simulated["otherData"]["world"] == 2

@@ -1,4 +1,4 @@
-"""python -m fxshard budget / report."""
+"""python -m fxshard budget / report / simulate."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from fxshard.__main__ import main
+from test_simulate import trace_event_format_errors
 
 
 def test_budget_reproduces_the_zero_paper_table(capsys):
@@ -48,11 +49,14 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _report(script: pathlib.Path) -> subprocess.CompletedProcess:
+def _fxshard(*arguments: str) -> subprocess.CompletedProcess:
     root = pathlib.Path(__file__).parents[1]
-    return subprocess.run([sys.executable, "-m", "fxshard", "report", "--format", "json", str(script)],
-                          capture_output=True, text=True, timeout=120, cwd=root,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+    return subprocess.run([sys.executable, "-m", "fxshard", *arguments], capture_output=True, text=True, timeout=120,
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+def _report(script: pathlib.Path) -> subprocess.CompletedProcess:
+    return _fxshard("report", "--format", "json", str(script))
 
 
 def test_report_runs_a_script_and_prints_its_ledger(tmp_path):
@@ -77,3 +81,56 @@ def test_report_of_a_single_step_has_no_measured_column(tmp_path):
     assert "no measured column: it ran 1 optimizer step(s)" in out.stderr
     report = json.loads(out.stdout[out.stdout.index("{"):])
     assert all(r["measured"] is None for r in report["ledger"])
+
+
+# a script that compiles a step of the MLP per stage, under a fake process group of 2 ranks (one process)
+SIMULATED_SCRIPT = textwrap.dedent('''
+    import sys, torch, torch.nn.functional as F
+    import fxshard
+    from examples.models import MLP
+    from fxshard.testing import fake_process_group
+    with fake_process_group(2):
+        for stage in map(int, sys.argv[1:]):
+            torch._dynamo.reset()
+            backend = fxshard.backend(compiler="eager", stage=stage)
+            model = MLP()
+            model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
+            run = torch.compile(model, backend=backend, fullgraph=True)
+            F.mse_loss(run(torch.randn(4, 8)), torch.randn(4, 5)).backward()
+''')
+COMMUNICATED = {  # the MLP's collectives per stage, (graph, node)
+    3: {("graph 0 forward", "all_gather_fc1"), ("graph 0 forward", "all_gather_fc2"),
+        ("graph 0 backward", "all_gather_fc2"), ("graph 0 backward", "reduce_scatter_fc2"),
+        ("graph 0 backward", "reduce_scatter_fc1")},
+    2: {("graph 0 backward", "reduce_scatter_fc2"), ("graph 0 backward", "reduce_scatter_fc1"),
+        ("optimizer step", "all_gather")},  # the updated shards, gathered back into the full parameters
+}
+
+
+@pytest.mark.parametrize("stages, files", [((3,), ["step.json"]), ((3, 2), ["step-0.json", "step-1.json"])])
+def test_simulate_writes_each_backends_simulated_step_as_a_chrome_trace(stages, files, tmp_path, capsys,
+                                                                         monkeypatch):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the command hands the script its own
+    script = tmp_path / "train.py"
+    script.write_text(SIMULATED_SCRIPT)
+    assert main(["simulate", str(script), *map(str, stages), "--trace", str(tmp_path / "step.json"),
+                 "--world", "8"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == files
+    for stage, name in zip(stages, files):
+        assert f"{tmp_path / name}: stage {stage} at 8 ranks, step " in out, out
+        trace = json.loads((tmp_path / name).read_text())
+        assert trace_event_format_errors(trace) == []
+        assert trace["otherData"]["world"] == 8
+        lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+        assert lanes == {"compute", "communication"}
+        communicated = {(e["cat"], e["name"]) for e in trace["traceEvents"]
+                        if e["ph"] == "X" and e["args"]["stream"] == "communication"}
+        assert communicated == COMMUNICATED[stage]
+
+
+def test_simulate_of_a_script_that_prepares_no_backend_says_so(tmp_path):
+    script = tmp_path / "nothing.py"
+    script.write_text("print('no fxshard here')")
+    assert main(["simulate", str(script), "--trace", str(tmp_path / "step.json")]) == 2
+    assert not (tmp_path / "step.json").exists()

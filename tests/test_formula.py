@@ -1,5 +1,6 @@
-"""Readable closed forms: sums of parameter counts named (modules, numbered sums with a legend), every formula of
-the example GPT's report within 120 characters and equal to the per-parameter form it stands for."""
+"""Readable closed forms: sums of parameter counts named (modules, numbered sums with a legend), every line of the
+example GPT's report within 120 characters at every stage and on a hybrid mesh, every formula equal to the
+per-parameter form it stands for."""
 
 import json
 
@@ -11,8 +12,10 @@ import fxshard
 from examples.models import GPT, GPTConfig
 from fxshard import budget
 from fxshard.formula import SumNames, describe, module_sums
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES
 from fxshard.report import ledger_rows
 from fxshard.testing import fake_process_group
+from scenarios import hybrid_mesh
 
 GPT_NAMES = [
     "tok_emb.weight", "pos_emb.weight",
@@ -21,7 +24,9 @@ GPT_NAMES = [
         "ln2.weight", "ln2.bias", "fc.weight", "fc.bias", "out.weight", "out.bias")),
     "ln_f.weight", "ln_f.bias",
 ]
-FORMULA_WIDTH = 120
+LINE_WIDTH = 120  # characters a formula, and a line of the report, take at most
+# a step's collective bytes as a measurement reports them: as many digits as the measured column holds
+MEASURED = {kind: {"bytes": 10**9} for kind in COLLECTIVE_ROLES}
 
 
 @pytest.mark.parametrize("chosen, described", [
@@ -44,18 +49,29 @@ def test_a_group_that_is_one_module_is_named_by_it_and_needs_no_legend():
     assert sums.legend() == ["ψ₁ = Σ ψ over blocks.*.{attn.qkv,attn.proj,fc,out}.bias (8 parameters)"]
 
 
-@pytest.fixture(scope="module")
-def gpt_ledger():
-    """The example GPT (train_gpt.py's configuration) at stage 3 with AdamW, one step under a fake group."""
+def compiled_gpt(stage: int, mesh_shape: tuple | None = None) -> fxshard.Backend:
+    """The backend of the example GPT (train_gpt.py's configuration) with AdamW after one forward and backward
+    under a fake group of 2 ranks, or of a (replicas, shards) ``mesh_shape`` hybrid mesh."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    with fake_process_group(2):
-        backend = fxshard.backend(compiler="eager", stage=3)
+    with fake_process_group(4 if mesh_shape else 2):
+        backend = fxshard.backend(compiler="eager", stage=stage, mesh=hybrid_mesh(mesh_shape))
         model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, d_model=64))
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         tokens = torch.randint(0, 128, (8, 33))
         torch.compile(model, backend=backend)(tokens[:, :-1], tokens[:, 1:]).backward()
-        return backend, budget.ledger(backend)
+        return backend
+
+
+def too_wide(report: str) -> list[str]:
+    return [line for line in report.splitlines() if len(line) > LINE_WIDTH]
+
+
+@pytest.fixture(scope="module")
+def gpt_ledger():
+    """The example GPT at stage 3, and its ledger."""
+    backend = compiled_gpt(3)
+    return backend, budget.ledger(backend)
 
 
 def test_every_formula_of_the_gpt_report_fits_and_is_exact(gpt_ledger):
@@ -63,17 +79,23 @@ def test_every_formula_of_the_gpt_report_fits_and_is_exact(gpt_ledger):
     names = list(ledger.params)
     sums = SumNames(names)
     rows = ledger_rows(ledger, sums=sums)
-    assert max(len(r["readable"]) for r in rows) <= FORMULA_WIDTH, [r["readable"] for r in rows]
-    assert max(len(r["expression"]) for r in rows) > 2 * FORMULA_WIDTH  # what the per-parameter form would print
+    assert max(len(r["readable"]) for r in rows) <= LINE_WIDTH, [r["readable"] for r in rows]
+    assert max(len(r["expression"]) for r in rows) > 2 * LINE_WIDTH  # what the per-parameter form would print
     for expr in [ledger.peak(), ledger.resident(), *(ledger.communicated(k, moved=m) for k in ("all_gather",
                  "reduce_scatter") for m in (False, True))]:
         closed = ledger.closed_form(expr)
         named = sums.readable(closed)
         assert sympy.expand(module_sums(named.subs(sums.substitutions()), names) - closed) == 0, named
-    report = backend.report()
-    legend = [line for line in report.splitlines() if line.startswith("ψ")]
-    assert legend and all(len(line) <= FORMULA_WIDTH for line in legend), legend
-    assert all(len(line) <= FORMULA_WIDTH for line in report.splitlines()[:2])  # the title and the sizes
+    report = backend.report(measured=MEASURED)
+    assert any(line.startswith("ψ₁ = ") for line in report.splitlines())  # the legend
+    assert too_wide(report) == []
+
+
+@pytest.mark.parametrize("stage, mesh_shape", [(0, None), (1, None), (2, None), (2, (2, 2))])
+def test_every_line_of_the_gpt_report_fits_at_every_stage_and_on_a_mesh(stage, mesh_shape):
+    # stage 3: test_every_formula_of_the_gpt_report_fits_and_is_exact; stage 3 on a mesh: the hybrid run of
+    # tests/test_examples.py
+    assert too_wide(compiled_gpt(stage, mesh_shape).report(measured=MEASURED)) == []
 
 
 def test_json_keeps_the_per_parameter_form_and_the_sums(gpt_ledger):
