@@ -466,13 +466,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stages", type=ints, default=[0, 1, 2, 3], help="comma-separated ZeRO stages")
     parser.add_argument("--prefetch", type=ints, default=[0, 1, 2], help="comma-separated prefetch depths")
     parser.add_argument("--compilers", type=names(fxshard.api.COMPILERS), default=list(fxshard.api.COMPILERS),
-                        help="comma-separated; the soak uses the first (default: eager)")
+                        help="comma-separated; the soak uses the first (default: the backend's default)")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds before a stress run counts as hung")
     parser.add_argument("--log-dir", type=pathlib.Path,
                         help="where the ranks' output goes (default: a new /tmp folder)")
     args = parser.parse_args(argv)
     if args.soak and args.compilers == list(fxshard.api.COMPILERS):
-        args.compilers = ["eager"]
+        args.compilers = [fxshard.api.DEFAULT_COMPILER]
     if args.steps is None:
         args.steps = 2000 if args.soak else 60
     if args.soak and args.steps <= SOAK_RSS_FROM_STEP:

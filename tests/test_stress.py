@@ -3,6 +3,7 @@
 
 import json
 
+import fxshard
 from examples import stress
 from examples.stress import RankExit, RunResult, StressConfig, parse_args, soak_failures, summary_rows
 
@@ -62,7 +63,7 @@ def test_command_line():
     assert (args.runs, args.steps, args.stages, args.prefetch, args.models) == (4, 60, [3], [1, 2], ["llama"])
     assert args.compilers == ["eager", "inductor"]
     soak = parse_args(["--soak"])
-    assert (soak.soak, soak.steps, soak.compilers) == (True, 2000, ["eager"])
+    assert (soak.soak, soak.steps, soak.compilers) == (True, 2000, [fxshard.api.DEFAULT_COMPILER])
 
 
 MIB = 2**20
