@@ -32,25 +32,6 @@ def collectives(gm) -> list[dict]:
     return rows
 
 
-def prefetch_fit_report(records) -> str:
-    """For each graph whose prefetch was fitted to ``memory_budget`` (``prefetch_pass``), every schedule tried, the
-    chosen one marked: bytes it needs and the communication it leaves exposed (predicted); "" when none was."""
-    lines = []
-    for record in records:
-        fit = None if record.final is None else record.final.meta.get("fxshard_prefetch_fit")
-        if fit is None:
-            continue
-        if not lines:
-            lines.append(f"prefetch within memory_budget={fit['memory_budget']:,} bytes: the least exposed "
-                         "communication that fits (predicted)")
-        for tried in fit["candidates"]:
-            lines.append(f"  graph {record.graph_id} {record.kind}: prefetch={tried['prefetch']}, "
-                         f"max_inflight_gathers={tried['max_inflight_gathers']}: {tried['bytes']:,} bytes"
-                         f"{'' if tried['fits'] else ' (over)'}, {tried['exposed_s'] * 1e3:.2f} ms exposed"
-                         + ("  <- chosen" if tried == fit["chosen"] else ""))
-    return "\n".join(lines)
-
-
 def collective_report(records) -> str:
     """A table per rewritten graph (forward, backward, inference): each collective in graph order."""
     parts = []
