@@ -189,12 +189,7 @@ def save_at_stages(directory: str, stages: tuple[int, ...] = (0, 1, 2)) -> dict:
         del model_sd, optim_sd
         after = _train(run, opt, batches, STEPS_AFTER)
 
-        _, model, opt, run = _prepared(stage)
-        template = {"model": model.state_dict(), "optim": opt.state_dict()}
-        dcp.load(template, checkpoint_id=root / f"plain_stage_{stage}")
-        model.load_state_dict(template["model"])
-        opt.load_state_dict(template["optim"])
-        resumed_plain = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
+        resumed_plain = _resumed_through_dcp(stage, root / f"plain_stage_{stage}")
 
         _, model, opt, run = _prepared(stage)
         model_sd, optim_sd = checkpoint.get_state_dict(model, opt)
@@ -203,6 +198,17 @@ def save_at_stages(directory: str, stages: tuple[int, ...] = (0, 1, 2)) -> dict:
         resumed_named = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
         results[stage] = {"after": after, "resumed_plain": resumed_plain, "resumed_named": resumed_named}
     return results
+
+
+def _resumed_through_dcp(stage: int, checkpoint_id) -> list:
+    """A fresh prepare at ``stage`` loads ``checkpoint_id`` through ``dcp.load`` into ``model.state_dict()`` and
+    ``opt.state_dict()``, then trains on: the losses."""
+    _, model, opt, run = _prepared(stage)
+    template = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(template, checkpoint_id=checkpoint_id)
+    model.load_state_dict(template["model"])
+    opt.load_state_dict(template["optim"])
+    return _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
 
 
 # The stage-0/1/2 checkpoint each stage loads at another world size: every saving stage is loaded at another one.
@@ -220,23 +226,13 @@ def resume_at_stage(directory: str, stage: int) -> dict:
     checkpoint.load(model, opt, root / f"named_stage_{source}")
     named_from_stage = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
 
-    _, model, opt, run = _prepared(stage)
-    template = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(template, checkpoint_id=root / f"plain_stage_{source}")
-    model.load_state_dict(template["model"])
-    opt.load_state_dict(template["optim"])
-    plain_from_stage = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
+    plain_from_stage = _resumed_through_dcp(stage, root / f"plain_stage_{source}")
 
     _, model, opt, run = _prepared(stage)
     checkpoint.load(model, opt, root / "torch_api")
     through_load = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
 
-    _, model, opt, run = _prepared(stage)
-    template = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(template, checkpoint_id=root / "plain")
-    model.load_state_dict(template["model"])
-    opt.load_state_dict(template["optim"])
-    through_plain = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
+    through_plain = _resumed_through_dcp(stage, root / "plain")
     return {"through_load": through_load, "through_plain": through_plain, "source": source,
             "named_from_stage": named_from_stage, "plain_from_stage": plain_from_stage}
 

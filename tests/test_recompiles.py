@@ -13,7 +13,7 @@ from fxshard.testing import fake_process_group
 SHAPES = [(2, 16), (3, 8), (4, 12), (5, 5), (7, 9)]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 3])  # the full-replica and the fully sharded layouts
 def test_varying_batch_and_sequence_compile_one_dynamic_graph(stage):
     torch._dynamo.reset()
     counters.clear()
