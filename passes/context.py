@@ -40,10 +40,11 @@ class PassContext:
         ZeRO-3) or keep them from forward to backward (False: 2Ψ instead of 3Ψ per step, more memory).
     bucket: how collectives are grouped: ``"layer"`` (one per module that owns parameters), ``"block"`` (one per
         entry of ``blocks``), ``"auto"`` (one per repeated block the backend finds in the model, and one for the
-        rest: ``fxshard.blocks``; the backend compiles per layer instead where the simulator predicts it faster or only
-        it fits ``memory_budget``: ``fxshard.autotune``), or an int byte cap (greedy, in graph order). The backend's default depends on
-        the stage: stage 0 packs its all-reduces into ``DDP_BUCKET_BYTES`` (DDP's 25 MiB ``bucket_cap_mb``), the
-        sharded stages communicate per block (``"auto"``; per layer in a model without repeated blocks).
+        rest: ``fxshard.blocks``; the backend compiles per layer instead where the simulator predicts it faster, or
+        where only that fits ``memory_budget``: ``fxshard.autotune``), or an int byte cap (greedy, in graph order).
+        The backend's default depends on the stage: stage 0 packs its all-reduces into ``DDP_BUCKET_BYTES`` (DDP's
+        25 MiB ``bucket_cap_mb``), the sharded stages communicate per block (``"auto"``; per layer in a model
+        without repeated blocks).
     blocks: for ``bucket="block"``: module names (``"blocks.0"``) or module classes whose parameters share one
         collective, like FSDP2's per-block ``fully_shard``; the model itself (its class, or ``""``) takes what no
         inner block holds. With ``bucket="auto"`` the backend sets it (passes always see module names).
