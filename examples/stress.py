@@ -26,7 +26,8 @@ configuration) at stage 3 with the backend's default prefetch on 2 ranks, ``--st
 when no rank dies or fails, each rank's resident memory (RSS, read from /proc/self/statm after every step) stays
 within 2% (max over min) from step 100 on, and Dynamo compiles no new graph after the first step
 (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``; torch 2.13 keeps no counter of recompilations as
-such, and a recompilation is a new graph). It prints those figures per rank and exits 1 if a criterion fails.
+such, and a recompilation is a new graph). Every 30 s it prints the steps done, elapsed and remaining time; at the
+end, those figures per rank, and it exits 1 if a criterion fails.
 
 Both modes set ``LIBC_FATAL_STDERR_=1`` so that glibc writes its abort message ("malloc(): unaligned tcache chunk
 detected") to the rank's captured stderr instead of the terminal, and enable ``faulthandler`` in the ranks, which
@@ -50,6 +51,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -314,8 +316,10 @@ def read_output(path: str) -> list[str]:
         return ["(no output: the process died before it opened its log)"]
 
 
-def launch(job: dict, log_stem: str, timeout_s: float | None) -> tuple[list[RankExit], float]:
+def launch(job: dict, log_stem: str, timeout_s: float | None,
+           while_running: Callable[[list[str], float], None] | None = None) -> tuple[list[RankExit], float]:
     """Run ``rank_main`` on WORLD_SIZE fresh processes; how each ended, and the seconds the run took.
+    ``while_running(logs, elapsed)`` is called about once a second meanwhile (the soak's progress).
 
     A rank that ends badly gets its peer ``PEER_GRACE_S`` to end too (it normally fails within seconds, on
     "Connection reset by peer"); a peer still running after that, or any rank still running after ``timeout_s``,
@@ -334,6 +338,8 @@ def launch(job: dict, log_stem: str, timeout_s: float | None) -> tuple[list[Rank
         while any(p.is_alive() for p in processes):
             multiprocessing.connection.wait([p.sentinel for p in processes if p.is_alive()], timeout=1.0)
             now = time.monotonic()
+            if while_running is not None:
+                while_running(logs, now - start)
             if bad_since is None and any(p.exitcode not in (None, 0) for p in processes):
                 bad_since = now
             for rank, process in enumerate(processes):
@@ -406,12 +412,37 @@ def estimated_remaining(results: list[RunResult], configs: list[StressConfig], r
     return sum(sum(mean[c]) / len(mean[c]) if mean[c] else overall for c in upcoming)
 
 
+SOAK_PROGRESS_EVERY_S = 30.0
+_STEP_LINE = re.compile(r"^rank 0: step (\d+) ", re.MULTILINE)
+
+
+def soak_progress(rank0_output: str, steps: int, elapsed: float) -> str | None:
+    """The soak's progress line from rank 0's output so far (it prints every 100th step): steps done, elapsed and
+    the remaining time at the pace since the first step; None before rank 0 has printed a step."""
+    done = [int(step) for step in _STEP_LINE.findall(rank0_output)]
+    if not done:
+        return None
+    last = max(done) + 1
+    pace = elapsed / last
+    return f"soak: step {last}/{steps}  elapsed {clock(elapsed)}  remaining ~{clock(pace * (steps - last))}"
+
+
 def soak(args: argparse.Namespace, log_dir: pathlib.Path) -> int:
     compiler = args.compilers[0]
     print(f"soak: {args.steps} steps of the example GPT at stage {SOAK_STAGE}, default prefetch, {compiler} "
           f"compiler, {WORLD_SIZE} gloo ranks; logs in {log_dir}", flush=True)
     job = {"mode": "soak", "compiler": compiler, "steps": args.steps, "print_every": 100}
-    ranks, seconds = launch(job, str(log_dir / "soak"), timeout_s=None)
+    printed_at = [0.0]
+
+    def print_progress(logs: list[str], elapsed: float) -> None:
+        if elapsed - printed_at[0] < SOAK_PROGRESS_EVERY_S:
+            return
+        printed_at[0] = elapsed
+        line = soak_progress(pathlib.Path(logs[0]).read_text(errors="replace"), args.steps, elapsed)
+        if line:
+            print(line, flush=True)
+
+    ranks, seconds = launch(job, str(log_dir / "soak"), timeout_s=None, while_running=print_progress)
     result = RunResult(0, StressConfig("gpt", SOAK_STAGE, -1, compiler), seconds, ranks)
     print(f"soak: {clock(seconds)}, {result.outcome}; {fxshard_origin()}")
     if result.outcome != "ok":

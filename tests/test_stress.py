@@ -5,7 +5,9 @@ import json
 
 import fxshard
 from examples import stress
-from examples.stress import RankExit, RunResult, StressConfig, parse_args, soak_failures, summary_rows
+from examples.stress import (
+    RankExit, RunResult, StressConfig, parse_args, soak_failures, soak_progress, summary_rows,
+)
 
 STAGE3 = StressConfig("gpt", 3, 1, "eager")
 STAGE0 = StressConfig("llama", 0, 0, "inductor")
@@ -93,3 +95,9 @@ def test_one_real_stress_run_ends_ok(tmp_path, monkeypatch):
     assert result["outcome"] == "ok" and [r["exitcode"] for r in result["ranks"]] == [0, 0], result
     assert result["config"] == {"model": "llama", "stage": 3, "prefetch": 1, "compiler": "eager"}
     assert "rank 1: step 2 loss" in (tmp_path / "run0000-llama-s3-p1-eager-rank1.log").read_text()
+
+
+def test_the_soak_reports_steps_done_elapsed_and_remaining_from_rank_0s_output():
+    assert soak_progress("rank 0: fxshard from ...\n", 2000, 5.0) is None  # compiling: no step printed yet
+    output = "rank 0: step 0 loss 4.8 rss 410.0 MiB 5.0 s\nrank 0: step 100 loss 3.1 rss 411.0 MiB 9.0 s\n"
+    assert soak_progress(output, 2000, 101.0) == "soak: step 101/2000  elapsed 0:01:41  remaining ~0:31:39"
