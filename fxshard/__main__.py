@@ -145,13 +145,17 @@ def _budget(args) -> int:
     return 0
 
 
+def _check_world(world: int | None) -> None:
+    if world is not None and world < 1:
+        raise FxShardError("--world must be at least 1")
+
+
 def _mesh_or_world(args) -> tuple[int, int]:
     """(replicas, ranks in all) from ``--mesh RxS`` or ``--world N``."""
     if (args.mesh is None) == (args.world is None):
         raise FxShardError("give --world N (one group of N ranks) or --mesh RxS (hybrid: R replicas of S ranks)")
+    _check_world(args.world)
     if args.world is not None:
-        if args.world < 1:
-            raise FxShardError("--world must be at least 1")
         return 1, args.world
     try:
         replicas, shards = (int(x) for x in args.mesh.lower().split("x"))
@@ -223,8 +227,7 @@ def _report(args, script_args: list[str]) -> int:
 
 def _simulate(args, script_args: list[str]) -> int:
     """Run the script here and write the simulated step of each backend it prepared as a Chrome trace."""
-    if args.world is not None and args.world < 1:
-        raise FxShardError("--world must be at least 1")
+    _check_world(args.world)  # before the script runs, which may take long
     backends = _run_script(args.script, script_args, "simulate")
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank ran the script: rank 0 writes
         return 0
