@@ -31,7 +31,7 @@ from .optim import (
     annotate_optimizer_graph, clip_grad_norm_, full_state_dict, load_full_state_dict, mark_published,
     shard_optimizer_over,
 )
-from .prepare import grad_sync_of, shard_parameters, sharded_world_size, spec_of
+from .prepare import grad_sync_of, shard_parameters, sharded_world_size, spec_of, updating_optimizer
 from .simulate import Machine, default_machine
 from .trace import trace_choice
 
@@ -180,7 +180,8 @@ class Backend:
         step_bucket_bytes = self.knobs.get("step_bucket_bytes", DDP_BUCKET_BYTES)
         self.optimizer = (None if optimizer is None
                           else shard_optimizer_over(optimizer, leaves, grad_sync, step_bucket_bytes))
-        laid_out = [*leaves.values(), *(t for g in getattr(self.optimizer, "param_groups", []) for t in g["params"])]
+        updated = [] if self.optimizer is None else updating_optimizer(self.optimizer).param_groups
+        laid_out = [*leaves.values(), *(t for g in updated for t in g["params"])]
         for tensor in laid_out:
             PREPARED_BY[tensor] = weakref.ref(self)
         model.__dict__[_BACKEND] = _KeepAlive(self)

@@ -640,6 +640,9 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
     Several Dynamo graphs (graph breaks) add their terms; a graph id without a backward (an inference graph)
     contributes only its collectives to the schedule. A compiled ``optimizer.step`` contributes the collectives of
     its graph (of the latest compile, where it was recompiled) in place of the eager step's per-parameter gathers."""
+    from .prepare import updating_optimizer
+
+    optimizer = None if optimizer is None else updating_optimizer(optimizer)
     names = _names_from_model(model)
     terms, schedule, copies = [], [], []
     all_params: dict[str, _Param] = {}
@@ -729,9 +732,11 @@ def optimizer_bytes(optimizer, model) -> int:
     """Bytes per rank the optimizer keeps that no graph of the model takes as input: its state for every element
     it updates (the state kinds of ``optimizer_state_kinds``, allocated at the first step), and the tensors it
     updates that are not the model's parameters (stage 1's master shards)."""
+    from .prepare import updating_optimizer
+
     model_leaves = {id(p) for p in model.parameters()}
     total = 0
-    for group in optimizer.param_groups:
+    for group in updating_optimizer(optimizer).param_groups:
         kinds = optimizer_state_kinds(type(optimizer).__name__, group)
         for tensor in group["params"]:
             if not tensor.requires_grad:

@@ -18,11 +18,10 @@ dict never holds more than one full parameter. Loading does the reverse (rows th
 parameter's ``full_tensor()``, cut down to this rank's flat shard).
 
 DCP keys optimizer state by parameter name only through ``get_state_dict``, which finds a parameter's name by
-identity in ``model.named_parameters()``. Stage 1's optimizer updates master shards that are not the model's
-parameters, so torch's ``get_state_dict`` cannot name them (``fxshard.optim`` refuses it with FxShardError where
-torch would raise ``KeyError: 0``); the functions here (same signatures as
-torch's ``get_state_dict`` / ``set_state_dict`` and their model / optimizer halves) name every state by the
-parameter's own name, at every stage, and produce exactly what torch's produce for stages 0, 2 and 3.
+identity in ``model.named_parameters()``: the optimizer ``prepare`` returns holds the model's parameters at every
+stage (stage 1's steps an inner optimizer over the masters: ``fxshard.optim.MasterStep``), so torch's
+``get_state_dict`` / ``set_state_dict`` work. The functions here take the same arguments and return the same dicts,
+and check a state dict against the model and optimizer before anything changes.
 
 ``save`` / ``load`` / ``latest`` add what a training loop needs: ``save`` writes into ``<path>.partial`` and renames it
 to ``<path>`` once every rank finished, so a process killed in the middle of a save leaves the previous checkpoint
@@ -49,7 +48,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Shard
 
 from .errors import FxShardError
-from .prepare import _SPECS, gather_full, spec_of
+from .prepare import _SPECS, MASTER_STEP, gather_full, spec_of, updating_optimizer
 from .sharding import ShardSpec, shard_of
 
 __all__ = [
@@ -174,7 +173,8 @@ _MADE_FOR_STATE_DICT = "_fxshard_state_made_for_state_dict"
 
 
 def _updated(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+    """What the optimizer's update writes, in the order of its parameters (stage 1: their master shards)."""
+    return [p for group in updating_optimizer(optimizer).param_groups for p in group["params"]]
 
 
 def _is_per_element(value, updated: torch.Tensor) -> bool:
@@ -208,7 +208,8 @@ def optimizer_state_dict_pre_hook(optimizer: torch.optim.Optimizer) -> None:
     load nothing. The state is made for this one state dict and removed again by the post hook, so asking for a
     state dict never changes how training continues. With gradients pending it stays as it is (as torch's
     ``get_state_dict`` leaves it)."""
-    if optimizer.state or any(p.grad is not None for p in _updated(optimizer)):
+    held = [p for group in optimizer.param_groups for p in group["params"]]  # stage 1: the parameters, not masters
+    if optimizer.state or any(p.grad is not None for p in (*held, *_updated(optimizer))):
         return
     _initialise_state(optimizer)
     setattr(optimizer, _MADE_FOR_STATE_DICT, True)
@@ -228,6 +229,8 @@ def optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict:
             for kind, value in kinds.items()
         }
     if getattr(optimizer, _MADE_FOR_STATE_DICT, False):
+        if hasattr(optimizer, MASTER_STEP):
+            getattr(optimizer, MASTER_STEP).replace_state({})
         optimizer.state.clear()
         delattr(optimizer, _MADE_FOR_STATE_DICT)
     return {**state_dict, "state": state}
@@ -360,7 +363,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
                              options: StateDictOptions | None = None) -> dict:
     """The prepared optimizer's state keyed by parameter name, as torch's ``get_optimizer_state_dict`` keys it:
     ``{"state": {name: {kind: value}}, "param_groups": [{hyperparameters..., "params": [names]}]}`` (with
-    ``flatten_optimizer_state_dict``, torch's flat form). Works at every stage, stage 1 included. A collective."""
+    ``flatten_optimizer_state_dict``, torch's flat form). A collective."""
     options = _checked_options(options)
     optimizer = optimizers
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -474,7 +477,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
     """Load an optimizer state dict keyed by parameter name (``get_optimizer_state_dict``'s, torch's or FSDP2's, flat
     or nested, from any world size and stage) into the prepared optimizer. Parameters are matched by name, groups'
     hyperparameters by the group of each parameter; another model's state raises FxShardError before anything
-    changes. Into a stage-1 optimizer too, which torch's ``set_state_dict`` cannot map."""
+    changes."""
     options = _checked_options(options)
     optimizer = optimizers if isinstance(optimizers, torch.optim.Optimizer) else next(iter(optimizers))
     _unwrapped(model)

@@ -3,7 +3,7 @@
 | stage | the optimizer updates | its step also |
 |---|---|---|
 | 0 | full parameters | all-reduces gradients that ``no_sync`` kept local (before the update) |
-| 1 | flat master shards of the full parameters | reduce-scatters the full gradients into the masters (before), all-gathers the updated masters into the parameters (after) |
+| 1 | flat master shards of the full parameters (its groups hold the parameters; see ``MasterStep``) | reduce-scatters the full gradients into the masters (before), all-gathers the updated masters into the parameters (after) |
 | 2 | the flat shard leaves | all-gathers the updated shards into the resident full copies (after) |
 | 3 | the flat shard leaves | nothing: gradients arrive reduced, forward gathers |
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
 
 import torch
 from torch import nn
@@ -29,7 +28,8 @@ from .groups import peer_failures_explained
 from .ops import cast_to, flat_padded
 from .passes.fx_utils import unit_of
 from .prepare import (
-    FULL_COPY_OF, GRAD_SYNC_OF, MASTER_OF, REPLACED_BY_SHARD, SPEC_OF, GradSync, gather_full, spec_of,
+    FULL_COPY_OF, GRAD_SYNC_OF, MASTER_OF, MASTER_STEP, REPLACED_BY_SHARD, SPEC_OF, GradSync, gather_full,
+    spec_of, updating_optimizer,
 )
 from .sharding import ShardSpec, pack_greedily, shard_of, unpad
 
@@ -65,19 +65,26 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Para
             )
 
 
+def _same_kind(optimizer: torch.optim.Optimizer, params_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class and hyperparameters, without state, whose groups hold
+    ``params_of[id(p)]`` for each of its parameters ``p``."""
+    groups = [{**group, "params": [params_of[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+    # Every group carries all its hyperparameters; defaults go to the constructor as far as it names them.
+    accepted = inspect.signature(type(optimizer)).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
 def shard_optimizer_over(
     optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter], grad_sync: GradSync, bucket_bytes: int
 ) -> torch.optim.Optimizer:
-    """A new optimizer of the same class and hyperparameters over what this rank updates (shard leaves, master
-    shards for stage 1, full parameters for stage 0), existing state laid out the same way, with the stage's
-    ``ShardedStep`` (collectives packed in buckets of up to ``bucket_bytes``) hooked around its step."""
+    """A new optimizer of the same class and hyperparameters over what this rank updates (shard leaves; full
+    parameters for stage 0; for stage 1 the model's full parameters, stepping an inner optimizer over their master
+    shards: :class:`MasterStep`), existing state laid out the same way, with the stage's ``ShardedStep``
+    (collectives packed in buckets of up to ``bucket_bytes``) hooked around the update."""
     _check_optimizer(optimizer, leaves)
     stage = spec_of(next(iter(leaves.values()))).stage if leaves else 3
     updated = {key: MASTER_OF[leaf] if stage == 1 else leaf for key, leaf in leaves.items()}
-    groups = [{**group, "params": [updated[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
-    # Every group carries all its hyperparameters; defaults go to the constructor as far as it names them.
-    accepted = inspect.signature(type(optimizer)).parameters
-    sharded = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    sharded = _same_kind(optimizer, updated)
     for param, state in optimizer.state.items():
         target = updated[id(param)]
         spec = spec_of(target)
@@ -90,29 +97,86 @@ def shard_optimizer_over(
     setattr(sharded, _SHARDED_STEP, step)
     sharded.register_step_pre_hook(step.settle_gradients)
     sharded.register_step_post_hook(step.publish_parameters)
+    returned = sharded if stage != 1 else _same_kind(optimizer, leaves)
+    setattr(returned, _SHARDED_STEP, step)
     # state_dict(): shards as DTensors of the parameters' full shapes; load_state_dict(): back to this rank's shards
+    returned.register_state_dict_pre_hook(checkpoint.optimizer_state_dict_pre_hook)
+    returned.register_state_dict_post_hook(checkpoint.optimizer_state_dict_post_hook)
+    returned.register_load_state_dict_pre_hook(checkpoint.optimizer_load_state_dict_pre_hook)
     if stage == 1:
-        sharded.register_state_dict_pre_hook(_refuse_torch_get_state_dict)
-    sharded.register_state_dict_pre_hook(checkpoint.optimizer_state_dict_pre_hook)
-    sharded.register_state_dict_post_hook(checkpoint.optimizer_state_dict_post_hook)
-    sharded.register_load_state_dict_pre_hook(checkpoint.optimizer_load_state_dict_pre_hook)
-    return sharded
+        MasterStep(returned, sharded)
+    return returned
 
 
-def _refuse_torch_get_state_dict(optimizer: torch.optim.Optimizer) -> None:
-    """Stage 1's optimizer updates fp32 master shards, which are not the model's parameters, and torch's
-    ``get_state_dict`` names optimizer states through the model's parameters: it would fail with ``KeyError: 0``.
-    Refuse it clearly, naming fxshard's drop-in. (torch's function is found on the stack: it offers no hook.)"""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_get_optim_state_dict" \
-                and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
-            raise FxShardError(
-                "torch.distributed.checkpoint.state_dict.get_state_dict cannot name a stage-1 optimizer's states: "
-                "it updates fp32 master shards, not the model's parameters, through which torch finds each state's "
-                "name. Use fxshard.checkpoint.get_state_dict / set_state_dict (same arguments and options, the same "
-                "result as torch's at stages 0, 2 and 3), or opt.state_dict() with dcp.save")
-        frame = frame.f_back
+class MasterStep:
+    """Stage 1's optimizer: the model's full parameters in its groups, as torch's optimizers, LR schedulers and
+    checkpoint functions expect (``get_state_dict`` names each state through ``model.named_parameters()``), while
+    the update runs on the fp32 master shards.
+
+    The returned optimizer (``outer``) holds the parameters; an ``inner`` optimizer of the same class holds their
+    masters, with the ``ShardedStep`` around its update (reduce-scatter the gradients into the masters, update,
+    all-gather into the parameters). ``outer.step()`` runs ``inner.step()`` as its step pre-hook, with the outer
+    groups' hyperparameters (a scheduler sets those); the outer update then finds no gradient (the reduce-scatter
+    freed them) and changes nothing. Each parameter's state (``exp_avg``: a flat shard) is one dict in both
+    ``outer.state`` and ``inner.state``. A state dict loaded into ``outer`` is laid out by the checkpoint's pre-hook
+    in the masters' dtype and kept so (torch's load would cast it to the parameters' dtype)."""
+
+    def __init__(self, outer: torch.optim.Optimizer, inner: torch.optim.Optimizer):
+        self.outer, self.inner = outer, inner
+        self.pairs = [(p, m) for og, ig in zip(outer.param_groups, inner.param_groups)
+                      for p, m in zip(og["params"], ig["params"])]
+        self._loading: dict = {}
+        setattr(outer, MASTER_STEP, self)
+        outer.register_step_pre_hook(self.step_masters)
+        outer.register_load_state_dict_pre_hook(self._keep_laid_out)  # after the checkpoint's: it lays out
+        outer.register_load_state_dict_post_hook(self._load_into_masters)
+        self.share_state()
+
+    def step_masters(self, optimizer=None, args=(), kwargs=None) -> None:
+        if args[1:] or (kwargs or {}).get("closure") is not None:  # args: (optimizer, closure?)
+            raise FxShardError("a stage-1 optimizer.step() takes no closure (its step reduce-scatters the gradients "
+                               "before the update); run forward and backward, then call opt.step()")
+        self.copy_hyperparameters()
+        self.inner.step()
+        self.after_update()
+
+    @torch._dynamo.disable  # bookkeeping between Python objects, outside any compiled step graph
+    def copy_hyperparameters(self) -> None:
+        for outer_group, inner_group in zip(self.outer.param_groups, self.inner.param_groups):
+            for key, value in outer_group.items():
+                if key != "params" and inner_group.get(key) is not value:
+                    inner_group[key] = value
+
+    @torch._dynamo.disable
+    def after_update(self) -> None:
+        # a master's gradient lives from the reduce-scatter to the update: the next step must not see it again
+        for _, master in self.pairs:
+            master.grad = None
+        self.share_state()
+
+    def share_state(self) -> None:
+        """``outer.state`` holds the inner optimizer's state dicts, each under the parameter of its master."""
+        for param, master in self.pairs:
+            state = self.inner.state.get(master)
+            if state:
+                self.outer.state[param] = state
+            else:
+                self.outer.state.pop(param, None)
+
+    def replace_state(self, state_of_master: dict) -> None:
+        self.inner.state.clear()
+        self.inner.state.update(state_of_master)
+        self.share_state()
+        self.copy_hyperparameters()
+
+    def _keep_laid_out(self, optimizer, state_dict: dict) -> None:
+        saved_keys = [key for group in state_dict["param_groups"] for key in group["params"]]
+        self._loading = {master: state_dict["state"][key] for key, (_, master) in zip(saved_keys, self.pairs)
+                         if key in state_dict["state"]}
+
+    def _load_into_masters(self, optimizer) -> None:
+        loading, self._loading = self._loading, {}
+        self.replace_state(loading)
 
 
 class ShardedStep:
@@ -262,7 +326,8 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     averaged gradient, the same on every rank (a collective: every rank must call it), and every gradient scaled by
     ``min(1, max_norm / norm)``. Call it between backward and ``optimizer.step()``."""
     sharded_step_of(optimizer).settle_gradients()
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    updated = (p for group in updating_optimizer(optimizer).param_groups for p in group["params"])
+    params = [p for p in updated if p.grad is not None]
     norm_type = float(norm_type)
     if not params:
         return torch.tensor(0.0)
@@ -283,7 +348,7 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
 # -- a full optimizer state dict: the same at any world size and stage -------------------------------------------
 def _updated_with_specs(optimizer: torch.optim.Optimizer) -> list[list[tuple[torch.Tensor, ShardSpec]]]:
     sharded_step_of(optimizer)  # the optimizer prepare returned: it updates tensors prepare laid out
-    return [[(p, spec_of(p)) for p in group["params"]] for group in optimizer.param_groups]
+    return [[(p, spec_of(p)) for p in group["params"]] for group in updating_optimizer(optimizer).param_groups]
 
 
 def _is_per_element(value, updated: torch.Tensor) -> bool:
@@ -298,16 +363,17 @@ def full_state_dict(optimizer: torch.optim.Optimizer) -> dict:
     hyperparameters..., "params": [parameter names]}]}``. Loadable at any world size and stage with
     :func:`load_full_state_dict`."""
     state, groups = {}, []
+    updating = updating_optimizer(optimizer)
     for group, pairs in zip(optimizer.param_groups, _updated_with_specs(optimizer)):
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [s.name for _, s in pairs]})
         for updated, spec in pairs:
-            if updated not in optimizer.state:
+            if updated not in updating.state:
                 continue
             state[spec.name] = {  # stages 1-3 update flat shards, stage 0 full parameters
                 kind: (gather_full(value, spec) if spec.stage >= 1 else value.clone())
                 if _is_per_element(value, updated)
                 else (value.clone() if torch.is_tensor(value) else value)
-                for kind, value in optimizer.state[updated].items()
+                for kind, value in updating.state[updated].items()
             }
     return {"state": state, "param_groups": groups}
 
@@ -347,8 +413,11 @@ def load_full_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
             laid_out[updated] = kinds
     for group, saved in zip(optimizer.param_groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
-    optimizer.state.clear()
-    optimizer.state.update(laid_out)
+    if hasattr(optimizer, MASTER_STEP):
+        getattr(optimizer, MASTER_STEP).replace_state(laid_out)
+    else:
+        optimizer.state.clear()
+        optimizer.state.update(laid_out)
 
 
 # -- a compiled optimizer.step -------------------------------------------------------------------------------------

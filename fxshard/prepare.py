@@ -60,6 +60,16 @@ MASTER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-1 full parameter
 FULL_COPY_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 REPLACED_BY_SHARD: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stages 2, 3: parameter prepare replaced -> its shard leaf
 GRAD_SYNC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-0 parameter -> its model's GradSync
+# stage 1: the attribute of the optimizer prepare returned (over the model's parameters) holding its
+# fxshard.optim.MasterStep (an attribute, not a weak-keyed registry: the MasterStep refers to the optimizer)
+MASTER_STEP = "_fxshard_master_step"
+
+
+def updating_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose update writes what this rank trains: at stage 1 the one over the fp32 master shards that
+    the returned optimizer steps from its own step; at stages 0, 2 and 3 the returned optimizer itself."""
+    master_step = getattr(optimizer, MASTER_STEP, None)
+    return optimizer if master_step is None else master_step.inner
 
 
 def spec_of(param: torch.Tensor) -> ShardSpec | None:

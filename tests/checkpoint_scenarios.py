@@ -135,12 +135,7 @@ def save_and_continue(directory: str) -> dict:
     full_model, full_optim = checkpoint.get_state_dict(model, opt, options=full_options)
     every_rank_full_optim = backend.full_optimizer_state_dict()
     gathered_model = _gathered_from_flat_shards(model)
-    same_as_torch = (
-        model_sd.keys() == ours[0].keys()
-        and all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model_sd.values(), ours[0].values()))
-        and optim_sd["state"].keys() == ours[1]["state"].keys()
-        and optim_sd["param_groups"] == ours[1]["param_groups"]
-    )
+    same_as_torch = _same_state_dicts((model_sd, optim_sd), ours)
     after = _train(run, opt, batches, STEPS_AFTER)
 
     # resumed from model.state_dict() / opt.state_dict() templates of a fresh prepare
@@ -152,12 +147,7 @@ def save_and_continue(directory: str) -> dict:
     fresh_opt.load_state_dict(template["optim"])
     resumed_plain = _train(fresh_run, fresh_opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
 
-    # resumed the FSDP2 way: torch's get_state_dict template, dcp.load, torch's set_state_dict
-    _, fresh_model, fresh_opt, fresh_run = _prepared(3)
-    model_template, optim_template = torch_get_state_dict(fresh_model, fresh_opt)
-    dcp.load({"model": model_template, "optim": optim_template}, checkpoint_id=root / "torch_api")
-    torch_set_state_dict(fresh_model, fresh_opt, model_state_dict=model_template, optim_state_dict=optim_template)
-    resumed_torch_api = _train(fresh_run, fresh_opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
+    resumed_torch_api = _resumed_through_torch_api(3, root / "torch_api")
 
     # resumed with fxshard.checkpoint.load
     _, fresh_model, fresh_opt, fresh_run = _prepared(3)
@@ -173,10 +163,33 @@ def save_and_continue(directory: str) -> dict:
     }
 
 
+def _same_state_dicts(torchs: tuple[dict, dict], ours: tuple[dict, dict]) -> bool:
+    """torch's ``get_state_dict`` and ``fxshard.checkpoint.get_state_dict`` agree: the same keys, groups and values
+    (DTensors compared in full: a collective)."""
+
+    def full(value):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    def equal(a, b) -> bool:
+        return torch.equal(full(a), full(b)) if torch.is_tensor(a) else a == b
+
+    (model_sd, optim_sd), (our_model, our_optim) = torchs, ours
+    return (
+        model_sd.keys() == our_model.keys() and all(equal(model_sd[k], our_model[k]) for k in model_sd)
+        and optim_sd["param_groups"] == our_optim["param_groups"]
+        and optim_sd["state"].keys() == our_optim["state"].keys()
+        and all(kinds.keys() == our_optim["state"][name].keys()
+                and all(equal(value, our_optim["state"][name][kind]) for kind, value in kinds.items())
+                for name, kinds in optim_sd["state"].items())
+    )
+
+
 def save_at_stages(directory: str, stages: tuple[int, ...] = (0, 1, 2)) -> dict:
     """For each stage: train, save twice (``model.state_dict()`` / ``opt.state_dict()`` + ``dcp.save`` into
-    ``plain_stage_<s>``; ``fxshard.checkpoint.get_state_dict`` + ``dcp.save`` into ``named_stage_<s>``), train on;
-    then prepare afresh at the same stage, load each the way it was saved and train the same steps again."""
+    ``plain_stage_<s>``; torch's ``get_state_dict`` + ``dcp.save`` into ``named_stage_<s>``, checked against
+    ``fxshard.checkpoint.get_state_dict``), train on; then prepare afresh at the same stage, load each the way it was
+    saved (the second FSDP2's way: torch's ``get_state_dict`` template, ``dcp.load``, torch's ``set_state_dict``)
+    and train the same steps again."""
     root = pathlib.Path(directory)
     results = {}
     for stage in stages:
@@ -184,20 +197,27 @@ def save_at_stages(directory: str, stages: tuple[int, ...] = (0, 1, 2)) -> dict:
         batches = _batches()
         _train(run, opt, batches, STEPS_BEFORE)
         dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=root / f"plain_stage_{stage}")
-        model_sd, optim_sd = checkpoint.get_state_dict(model, opt)
+        model_sd, optim_sd = torch_get_state_dict(model, opt)
+        same_as_ours = _same_state_dicts((model_sd, optim_sd), checkpoint.get_state_dict(model, opt))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root / f"named_stage_{stage}")
         del model_sd, optim_sd
         after = _train(run, opt, batches, STEPS_AFTER)
 
         resumed_plain = _resumed_through_dcp(stage, root / f"plain_stage_{stage}")
-
-        _, model, opt, run = _prepared(stage)
-        model_sd, optim_sd = checkpoint.get_state_dict(model, opt)
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=root / f"named_stage_{stage}")
-        checkpoint.set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        resumed_named = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
-        results[stage] = {"after": after, "resumed_plain": resumed_plain, "resumed_named": resumed_named}
+        resumed_named = _resumed_through_torch_api(stage, root / f"named_stage_{stage}")
+        results[stage] = {"after": after, "resumed_plain": resumed_plain, "resumed_named": resumed_named,
+                          "same_as_ours": same_as_ours}
     return results
+
+
+def _resumed_through_torch_api(stage: int, checkpoint_id) -> list:
+    """A fresh prepare at ``stage`` loads ``checkpoint_id`` FSDP2's way (torch's ``get_state_dict`` as the template,
+    ``dcp.load``, torch's ``set_state_dict``), then trains on: the losses."""
+    _, model, opt, run = _prepared(stage)
+    model_sd, optim_sd = torch_get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_id)
+    torch_set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
 
 
 def _resumed_through_dcp(stage: int, checkpoint_id) -> list:
@@ -217,14 +237,13 @@ RESHARD_SOURCE = {0: 1, 1: 2, 2: 0, 3: 1}
 
 def resume_at_stage(directory: str, stage: int) -> dict:
     """Load checkpoints saved at another world size into a fresh prepare for ``stage`` at this world size and train
-    on: the stage-3 ``torch_api`` through fxshard.checkpoint.load (any stage, stage 1 included), the stage-3 ``plain``
-    through ``dcp.load(model.state_dict(), opt.state_dict())``, and the same two ways the checkpoints saved at stage
-    ``RESHARD_SOURCE[stage]`` (``named_stage_<s>``, ``plain_stage_<s>``)."""
+    on: the stage-3 ``torch_api`` through fxshard.checkpoint.load, the stage-3 ``plain`` through
+    ``dcp.load(model.state_dict(), opt.state_dict())``, and the checkpoints saved at stage ``RESHARD_SOURCE[stage]``
+    through torch's ``get_state_dict`` / ``set_state_dict`` (``named_stage_<s>``) and ``dcp.load`` into
+    ``model.state_dict()`` / ``opt.state_dict()`` (``plain_stage_<s>``)."""
     root = pathlib.Path(directory)
     source = RESHARD_SOURCE[stage]
-    _, model, opt, run = _prepared(stage)
-    checkpoint.load(model, opt, root / f"named_stage_{source}")
-    named_from_stage = _train(run, opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
+    named_from_stage = _resumed_through_torch_api(stage, root / f"named_stage_{source}")
 
     plain_from_stage = _resumed_through_dcp(stage, root / f"plain_stage_{source}")
 
@@ -367,9 +386,9 @@ def misuse_is_refused(directory: str) -> dict:
 
 def fsdp2_interop(directory: str) -> dict:
     """FSDP2 <-> fxshard through DCP: FSDP2 trains and saves (get_state_dict + dcp.save), trains on; fxshard at each
-    stage 0-3 loads FSDP2's checkpoint and trains the same steps; FSDP2 loads fxshard's checkpoints saved at another
-    world size at stages 3 (torch's get_state_dict), 1 and 2 (fxshard.checkpoint.get_state_dict) (a get_state_dict
-    template, dcp.load, set_state_dict) and trains the same steps."""
+    stage 0-3 loads FSDP2's checkpoint and trains the same steps; FSDP2 loads fxshard's checkpoints saved at stages
+    3, 1 and 2 through torch's get_state_dict (a get_state_dict template, dcp.load, set_state_dict) and trains the
+    same steps."""
     root = pathlib.Path(directory)
     model, opt = _fsdp2()
     batches = _batches()
@@ -379,9 +398,13 @@ def fsdp2_interop(directory: str) -> dict:
     fsdp2_after = _train(model, opt, batches, STEPS_AFTER)
 
     fxshard_from_fsdp2 = {}
-    for stage in (0, 1, 2, 3):
+    for stage in (0, 1, 2, 3):  # stages 1 and 3 through torch's get_state_dict / set_state_dict, 0 and 2 through load
+        fsdp2_checkpoint = root / f"fsdp2_world_{rank_and_world()[1]}"
+        if stage % 2:
+            fxshard_from_fsdp2[stage] = _resumed_through_torch_api(stage, fsdp2_checkpoint)
+            continue
         _, fx_model, fx_opt, fx_run = _prepared(stage)
-        checkpoint.load(fx_model, fx_opt, root / f"fsdp2_world_{rank_and_world()[1]}")
+        checkpoint.load(fx_model, fx_opt, fsdp2_checkpoint)
         fxshard_from_fsdp2[stage] = _train(fx_run, fx_opt, _batches(skip=STEPS_BEFORE), STEPS_AFTER)
 
     fsdp2_from_fxshard = {}

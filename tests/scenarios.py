@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxshard
 from examples.models import GPT, MLP, GPTConfig, gpt_batch
+from fxshard.prepare import updating_optimizer
 from fxshard.testing import rank_and_world
 
 PER_RANK_BATCH = 4
@@ -226,7 +227,7 @@ def profile_step(model_name: str, stage: int) -> dict:
         "params": _storage_bytes(model.parameters()),
         "resident_copies": _storage_bytes(b for n, b in model.named_buffers() if "_fxshard_full_" in n),
         "grads_after_backward": grads_after_backward,
-        "optimizer_params": _storage_bytes(p for group in opt.param_groups for p in group["params"]),
+        "optimizer_params": _storage_bytes(p for g in updating_optimizer(opt).param_groups for p in g["params"]),
         "optimizer_state": _storage_bytes(v for s in opt.state.values() for v in s.values() if v.dim()),
     }
 
@@ -350,7 +351,7 @@ def train_mixed_precision_against_reference(
         "expected": master.state_dict(),
         "loss_dtype": loss.dtype,
         "leaf_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-        "updated_dtypes": sorted({str(p.dtype) for g in opt.param_groups for p in g["params"]}),
+        "updated_dtypes": sorted({str(p.dtype) for g in updating_optimizer(opt).param_groups for p in g["params"]}),
         "state_dtypes": sorted({str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim()}),
         "resident_dtypes": sorted({str(b.dtype) for n, b in model.named_buffers() if "_fxshard_full_" in n}),
     }
@@ -465,7 +466,7 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
                 grads = _storage_bytes(p.grad for p in model.parameters())
                 step()
         leaves = {id(p) for p in model.parameters()}
-        masters = [p for g in opt.param_groups for p in g["params"] if id(p) not in leaves]
+        masters = [p for g in updating_optimizer(opt).param_groups for p in g["params"] if id(p) not in leaves]
         measured = {
             "compute copy and master": _storage_bytes(model.parameters()) + _storage_bytes(masters)
             + _storage_bytes(b for n, b in model.named_buffers() if "_fxshard_full_" in n),

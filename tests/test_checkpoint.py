@@ -90,9 +90,10 @@ def test_resume_at_the_same_world_size_and_stage_is_bit_exact(saved, world):
             assert result[way] == result["after"], way
         assert result["extra"] == {"step": checkpoint_scenarios.STEPS_BEFORE}
         assert sorted(result["stages"]) == [0, 1, 2]
-        for stage, runs in result["stages"].items():  # model/opt.state_dict() and fxshard's get/set_state_dict
+        for stage, runs in result["stages"].items():  # model/opt.state_dict() and torch's get/set_state_dict
             assert runs["resumed_plain"] == runs["after"], (stage, runs)
             assert runs["resumed_named"] == runs["after"], (stage, runs)
+            assert runs["same_as_ours"], stage  # torch's get_state_dict = fxshard.checkpoint's, stage 1 included
 
 
 @pytest.mark.parametrize("world", WORLDS)

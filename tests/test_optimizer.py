@@ -7,7 +7,7 @@ import torch
 import fxshard
 import scenarios
 from examples.models import MLP
-from fxshard.prepare import MASTER_OF, spec_of
+from fxshard.prepare import MASTER_OF, spec_of, updating_optimizer
 from fxshard.sharding import shard_of
 from fxshard.testing import assert_graph_snapshot, fake_process_group, graph_summary
 from test_numerics import STEPS, assert_matches_reference
@@ -274,14 +274,58 @@ add_3 = aten.add(arg3_1, arg7_1) -> f32[3]
 return add:f32[64], add_1:f32[8], add_2:f32[40], add_3:f32[3]""")
 
 
-def test_torchs_get_state_dict_of_a_stage_1_optimizer_is_refused_with_the_drop_in_named():
+def test_a_stage_1_optimizer_holds_the_model_parameters_and_steps_their_masters():
+    # What torch's get_state_dict / set_state_dict and LR schedulers rely on: the groups hold the model's own
+    # parameters, each state is named through them; the update runs on the fp32 master shards (the states' layout).
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     with fake_process_group(2):
         model = MLP()
         model, opt = fxshard.backend(compiler="eager", stage=1).prepare(model, torch.optim.AdamW(model.parameters()))
+        assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+        masters_before = [MASTER_OF[p].clone() for p in model.parameters()]
         model(torch.randn(4, model.fc1.in_features)).sum().backward()
         opt.step()
-        with pytest.raises(fxshard.FxShardError, match="Use fxshard.checkpoint.get_state_dict"):
-            get_state_dict(model, opt)
-        opt.state_dict()  # fxshard's own paths still take the state dict
+        scheduler.step()
+        assert all(p.grad is None and MASTER_OF[p].grad is None for p in model.parameters())
+        assert not all(torch.equal(MASTER_OF[p], m) for p, m in zip(model.parameters(), masters_before))
+        for param in model.parameters():
+            assert opt.state[param]["exp_avg"].shape == MASTER_OF[param].shape  # this rank's flat shard
+        _, optim_sd = get_state_dict(model, opt)
+        _, ours = fxshard.checkpoint.get_state_dict(model, opt)
+        names = [name for name, _ in model.named_parameters()]
+        assert list(optim_sd["state"]) == list(ours["state"]) == names
+        assert optim_sd["param_groups"] == ours["param_groups"]
+        assert optim_sd["param_groups"][0]["lr"] == pytest.approx(0.5e-3)  # the scheduler's, on the returned groups
+        for name, param in model.named_parameters():
+            assert optim_sd["state"][name]["exp_avg"].shape == param.shape  # a DTensor of the full shape
+        model(torch.randn(4, model.fc1.in_features)).sum().backward()
+        opt.step()
+        assert updating_optimizer(opt).param_groups[0]["lr"] == pytest.approx(0.5e-3)  # the masters' update took it
+        with pytest.raises(fxshard.FxShardError, match="takes no closure"):
+            opt.step(lambda: None)
+
+
+def test_a_stage_1_state_dict_loads_in_the_masters_precision():
+    # torch's load_state_dict casts each state to its parameter's dtype (bf16 here); the masters train in fp32.
+    def prepared():
+        torch.manual_seed(0)
+        model = MLP(d_out=4)  # every weight's rows split evenly over 2 ranks: no collective in the state dict
+        backend = fxshard.backend(compiler="eager", stage=1, param_dtype=torch.bfloat16)
+        return backend.prepare(model, torch.optim.AdamW(model.parameters()))
+
+    with fake_process_group(2):
+        model, opt = prepared()
+        model(torch.randn(4, model.fc1.in_features)).float().sum().backward()
+        opt.step()
+        for state in opt.state.values():
+            state["exp_avg"].fill_(1 + 2**-12)  # not a bf16 number
+        fresh_model, fresh_opt = prepared()
+        fresh_opt.load_state_dict(opt.state_dict())
+        for param, fresh in zip(model.parameters(), fresh_model.parameters()):
+            assert fresh.dtype == torch.bfloat16
+            loaded = fresh_opt.state[fresh]
+            assert loaded["exp_avg"].dtype == torch.float32
+            assert torch.equal(loaded["exp_avg"], opt.state[param]["exp_avg"])
+            assert updating_optimizer(fresh_opt).state[MASTER_OF[fresh]] is loaded  # the update reads what loaded
