@@ -140,6 +140,10 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
     from fxshard.prepare import spec_of
 
     torch._dynamo.reset()
+    gc.collect()
+    # what earlier work in this worker left alive (held here, so no new tensor takes one's id) is not this run's
+    earlier = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)]
+    earlier_ids = {id(o) for o in earlier}
     rank, world = rank_and_world()
     model = build_model("gpt")
     backend = fxshard.backend(stage=3, **{"compiler": "eager", **backend_options})
@@ -166,7 +170,7 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
         # full_tensor() returns a view of the gathered tensor: the test's own copies are their storages
         ours = {t.untyped_storage().data_ptr() for t in [*weights_before.values(), *weights_after.values()]}
         live = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)
-                and o.untyped_storage().data_ptr() not in ours]
+                and id(o) not in earlier_ids and o.untyped_storage().data_ptr() not in ours]
         alive_full.update(_full_weight_matches(live, weights_before) + _full_weight_matches(live, weights_after))
     state_shapes = {tuple(v.shape) for s in opt.state.values() for v in s.values() if v.dim() > 0}
     return {
