@@ -22,7 +22,7 @@ from fxshard.passes.context import COLLECTIVE_TIMEOUT_S, DDP_BUCKET_BYTES, KNOBS
 
 from . import autotune
 from .blocks import block_prefixes, describe_grouping, repeated_blocks
-from .budget import optimizer_bytes
+from .optimizer_terms import optimizer_bytes
 from .consistency import check_same_schedule, prepare_check_group
 from .errors import FxShardError
 from .groups import explaining_peer_failures

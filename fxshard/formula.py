@@ -21,7 +21,7 @@ import collections
 
 import sympy
 
-from .budget import PSI, psi
+from .ledger import PSI, psi
 
 SUBSCRIPTS = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
 

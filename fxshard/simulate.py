@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from .budget import N
+from .ledger import N
 from .errors import FxShardError
 from .passes.cost_model import node_flops, tensor_bytes
 from .passes.fx_utils import COLLECTIVE_ROLES, replica_ranks
