@@ -22,7 +22,6 @@ from fxshard.passes.context import COLLECTIVE_TIMEOUT_S, DDP_BUCKET_BYTES, KNOBS
 
 from . import autotune
 from .blocks import block_prefixes, describe_grouping, repeated_blocks
-from .optimizer_terms import optimizer_bytes
 from .consistency import check_same_schedule, prepare_check_group
 from .errors import FxShardError
 from .groups import explaining_peer_failures
@@ -31,6 +30,7 @@ from .optim import (
     annotate_optimizer_graph, clip_grad_norm_, full_state_dict, load_full_state_dict, mark_published,
     shard_optimizer_over,
 )
+from .optimizer_terms import optimizer_bytes
 from .prepare import grad_sync_of, shard_parameters, sharded_world_size, spec_of, updating_optimizer
 from .simulate import Machine, default_machine
 from .trace import trace_choice

@@ -37,8 +37,8 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from .ledger import N
 from .errors import FxShardError
+from .ledger import N
 from .passes.cost_model import node_flops, tensor_bytes
 from .passes.fx_utils import COLLECTIVE_ROLES, replica_ranks
 
