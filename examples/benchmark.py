@@ -53,6 +53,7 @@ from fxshard.simulate import calibrate  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
 from examples.train_gpt import batches  # noqa: E402
 from fxshard.passes import PassContext  # noqa: E402
+from fxshard.prepare import updating_optimizer  # noqa: E402
 
 # vocab 2048 x d_model 256 embedding (tied with the LM head) + 4 blocks of 789,760 + positions and final LayerNorm
 MODEL = GPTConfig(vocab_size=2048, block_size=64, n_layer=4, n_head=4, d_model=256)
@@ -183,7 +184,7 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     """Bytes of this rank's parameters, buffers (fxshard stage 2's resident full copies), optimizer parameters
     (stage 1's master shards), gradients and optimizer state, each storage counted once."""
     tensors = [*model.parameters(), *model.buffers()]
-    tensors += [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [p for group in updating_optimizer(optimizer).param_groups for p in group["params"]]
     tensors += [t.grad for t in tensors if t.grad is not None]
     tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     storages = {}
