@@ -6,18 +6,31 @@ in a row, so nothing overlaps. This pass moves nodes (it never adds, removes or 
 - the all-gather of the k-th gathered unit (with its copy-in: ``cat`` of shards, casts) is issued before the
   compute of unit k-1 (``prefetch=1``; unit k-d for ``prefetch=d``), in the order units are first used, which is
   "unit i+1 before unit i" in forward and "unit i-1 before unit i" in the backward graph;
-- each wait and its copy-out (``split``, views to each parameter) sits right before the first node that uses it;
+- each wait and its copy-out (``split``, views to each parameter) sits right before the first node that uses it, and
+  (forward and backward graphs) before the gathers issued there: the collective it waits for was issued earlier, and
+  on one link (fxshard's one gloo worker thread, an NCCL stream) a gather issued before the wait would not start
+  sooner, while gloo's staging copy of the gather in flight is freed before the next gather allocates its own;
 - a reduce-scatter or all-reduce (with its copy-in) is issued as soon as its gradients exist, and its wait is
-  delayed until its result is used or the next reduction is issued (at most one reduction in flight: its full
-  gradient buffer stays alive until the wait);
+  delayed until its result is used, the next reduction is issued, or the next gather is issued (at most one
+  reduction in flight: its full gradient buffer, and gloo's copy of it, stay alive until the wait). A gather that
+  would be issued while a reduction is in flight goes after that reduction's wait, at the point that splits the
+  compute between the reduction's issue and the gather's first use in proportion to their estimated times (one
+  link runs them one after the other);
 - at no point are more than ``max_inflight_gathers`` gathered buffers alive (issued and not yet past their last use
-  by compute, views of the buffer included); a gather that would exceed that is issued after the compute that frees an earlier one, and never
-  later than where the lowering put it. Buffers kept for backward (``reshard_after_forward=False``) are the memory
-  ledger's business, not this cap's;
+  by compute, views of the buffer included); a gather that would exceed that is issued after the compute that frees
+  an earlier one, and never later than where the lowering put it. Buffers kept for backward
+  (``reshard_after_forward=False``) are the memory ledger's business, not this cap's;
 - ``prefetch`` is the most units ahead a gather goes: the ``CostModel`` estimates each gather's time and the
   compute of the units in between, and the gather goes only as far ahead as it needs to be hidden (less memory).
   (Under ``memory_budget`` the backend tries less eager ``prefetch`` / ``max_inflight_gathers`` pairs too and keeps
   the fastest that fits: ``fxshard.autotune``; this pass schedules the pair it is given.)
+- in forward and backward graphs, a gather goes ahead only where it keeps the graph's estimated peak where it is
+  with that gather issued right before its first use: the pass estimates the bytes alive at each node from
+  ``meta["val"]`` (a tensor from the node that makes it to its last reader, a graph input to its last reader as
+  Inductor frees it; a gathered buffer to its last reader, and while the gather is in flight its input and a staging
+  copy as large as the gathered buffer, as gloo makes), and issues each gather no earlier than the first point from
+  which it raises no point of that estimate above the peak. (The example GPT's backward peaks in the LM head's
+  backward, where the first gathers would otherwise be in flight.)
 
 The compute nodes keep their order. The new order is a list schedule: each node gets a wanted position (a key)
 from the rules above, and a topological sort that always takes the ready node with the smallest key produces the
@@ -30,25 +43,34 @@ unit and a role. The exact node patterns do not matter (casts or other roles may
 Guarantees: the same nodes with the same arguments, in a topologically valid order, placeholders first and the
 output last; each collective's ``meta["fxshard"]["schedule"]`` records ``issued_before`` (the compute node it is
 issued in front of), ``lookahead`` (units ahead, gathers only), ``comm_s``, ``overlap_s`` and ``exposed_s``
-(estimates). ``prefetch=0`` returns the graph unchanged. When ``ctx.schedule`` is set, that function runs instead,
-and its result must be a pure reorder too (else FxShardError). The joint and optimizer graphs are unchanged.
+(estimates); a gather's also ``held_back_for_peak`` (the memory rule issued it later) and, where it waited for a
+reduction in flight, ``after_wait_of`` (that reduction's node). ``prefetch=0`` returns the graph unchanged. When
+``ctx.schedule`` is set, that function runs instead, and its result must be a pure reorder too (else FxShardError).
+The joint and optimizer graphs are unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import operator
 
+import torch
 from torch import fx
 
 from fxshard.errors import FxShardError
 
 from .context import PassContext
-from .cost_model import CostModel
+from .cost_model import CostModel, tensor_bytes
 from .fx_utils import COLLECTIVE_ROLES, is_view, position
 
 SCHEDULED_GRAPHS = ("forward", "backward", "inference")
+# where waits go before the gathers of their node and the memory rule holds gathers back: the training step's
+# graphs, whose peak these rules were measured on; an inference graph (a no_grad call, a compiled optimizer step
+# publishing updated shards) keeps gathers before the waits of their node and its lookahead
+TRAINING_GRAPHS = ("forward", "backward")
 _PLACED = ("placeholder", "output")  # never moved: inputs stay first, the output last
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 @dataclasses.dataclass
@@ -58,6 +80,7 @@ class _Collective:
     completion: list[fx.Node]  # its wait and copy-out, in graph order
     first_use: int  # position of the first node outside the collective that reads its completion
     last_use: int  # position of the last such node, the output excepted
+    nbytes: tuple[int, int] = (0, 0)  # gathers: (gathered buffer, the input it was copied into)
 
 
 def _comm_side(node: fx.Node, unit: str) -> bool:
@@ -110,10 +133,74 @@ def _collectives(graph: fx.Graph, order: dict[fx.Node, int]) -> list[_Collective
     return found
 
 
+def _live_bytes(graph: fx.Graph, order: dict[fx.Node, int], skip: set[fx.Node]) -> list[int]:
+    """Per position of the graph (in its order before this pass): the bytes of the tensors alive there, of every
+    node but ``skip`` (the gathers' nodes, counted apart). A tensor lives from the node that makes it to its last
+    reader (views, ``getitem`` and ``wait_tensor`` share their source's storage); a graph input until its last
+    reader, as Inductor frees it (a backward graph's saved activations). An estimate from ``meta["val"]``."""
+    nodes = list(graph.nodes)
+    root: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        aliases = is_view(node) or node.target in (operator.getitem, _WAIT)
+        root[node] = root[source] if aliases and source is not None else node
+    end = {}
+    for node in nodes:
+        for used in node.all_input_nodes:
+            end[root[used]] = order[node]
+    delta = [0] * (len(nodes) + 1)
+    for node in nodes:
+        if root[node] is node and node not in skip and node.op != "output":
+            nbytes = tensor_bytes(node.meta.get("val"))
+            delta[order[node]] += nbytes
+            delta[max(end.get(node, order[node]), order[node]) + 1] -= nbytes
+    live, total = [], 0
+    for step in delta[:-1]:
+        total += step
+        live.append(total)
+    return live
+
+
+def _footprint(curve: list[int], gather: _Collective, slot: int, sign: int = 1) -> None:
+    """Add (``sign`` 1) or remove (-1) a gather issued before position ``slot`` to ``curve``: its gathered buffer
+    until its last reader, and while it is in flight (to its wait) its input and a staging copy of the gathered
+    buffer (gloo gathers into one of its own and copies out)."""
+    gathered, copied_in = gather.nbytes
+    for position in range(slot, gather.last_use + 1):
+        curve[position] += sign * gathered
+    for position in range(slot, gather.first_use + 1):
+        curve[position] += sign * (gathered + copied_in)
+
+
+def _without_raising_peak(curve: list[int], gather: _Collective, slot: int) -> int:
+    """The earliest position from ``slot`` on where issuing ``gather`` keeps the graph's estimated peak (``curve``
+    holds the other gathers) where it is with the gather issued right before its first use."""
+    natural = gather.first_use
+    _footprint(curve, gather, natural)
+    peak = max(curve)
+    _footprint(curve, gather, natural, -1)
+    in_flight = sum(gather.nbytes)
+    earliest = slot
+    for position in range(slot, natural):
+        if curve[position] + gather.nbytes[0] + in_flight > peak:
+            earliest = position + 1
+    return earliest
+
+
 def _gather_slots(gathers: list[_Collective], ctx: PassContext, work_before: list[float],
-                  comm_s: dict[fx.Node, float]) -> dict[fx.Node, tuple[int, int]]:
-    """Per gather (in order of first use): the position it is issued before, and how many units ahead that is."""
-    slots: dict[fx.Node, tuple[int, int]] = {}
+                  comm_s: dict[fx.Node, float], in_flight: list[tuple[_Collective, int, int]], curve: list[int],
+                  ) -> tuple[dict[fx.Node, tuple[int, int, dict]], dict[fx.Node, int]]:
+    """Per gather (in order of first use): the position it is issued before, how many units ahead that is, and what
+    else decided it (for its record); and per reduction whose wait must come before a gather's issue: that
+    position.
+
+    ``in_flight`` holds each reduction with the position of the compute node it is issued after and the position
+    before which it is waited for at the latest; ``curve`` the estimated bytes alive per position without the
+    gathers."""
+    for gather in gathers:  # until it is placed, each gather counts where the lowering put it
+        _footprint(curve, gather, gather.first_use)
+    slots: dict[fx.Node, tuple[int, int, dict]] = {}
+    waits_before: dict[fx.Node, int] = {}
     previous = 0
     for k, gather in enumerate(gathers):
         natural = gather.first_use
@@ -129,16 +216,56 @@ def _gather_slots(gathers: list[_Collective], ctx: PassContext, work_before: lis
                 break
             slot = alive[len(alive) - ctx.max_inflight_gathers] + 1
         slot = min(slot, natural)
+        _footprint(curve, gather, natural, -1)
+        if ctx.graph in TRAINING_GRAPHS:
+            wanted, slot = slot, _without_raising_peak(curve, gather, slot)
+        else:
+            wanted = slot
+        notes = {"held_back_for_peak": slot > wanted}
+        waited = []
+        while True:  # (under hybrid sharding the reduce-scatter's all-reduce across the replicas follows it)
+            flying = [(r, after) for r, after, before in in_flight
+                      if after < slot < before and r.node not in waits_before]
+            if not flying:
+                break
+            slot = _after_reduction(slot, natural, min(after for _, after in flying) + 1, work_before,
+                                    sum(comm_s[r.node] for r, _ in flying), comm_s[gather.node])
+            for reduction, _ in flying:
+                waits_before[reduction.node] = slot
+                waited.append(reduction.node.name)
+        if waited:
+            notes["after_wait_of"] = ", ".join(waited)
+        _footprint(curve, gather, slot)
         previous = slot
-        slots[gather.node] = (slot, lookahead)
-    return slots
+        slots[gather.node] = (slot, lookahead, notes)
+    return slots, waits_before
+
+
+def _after_reduction(slot: int, natural: int, start: int, work_before: list[float], reduction_s: float,
+                     gather_s: float) -> int:
+    """Where a gather goes that would be issued at ``slot`` while a reduction issued before position ``start`` is in
+    flight: the reduction is waited for there and the gather issued after it, so that the reduction's buffers (its
+    full gradient input, and the staging copies a backend such as gloo keeps until the wait) are freed before the
+    gather's are allocated. The compute from ``start`` to the gather's first use (``natural``) is split between the
+    two in proportion to their estimated times: they run one after the other on one link (and on gloo, fxshard's
+    one worker thread), so the gather cannot finish before the reduction anyway. Never earlier than ``slot``."""
+    total = work_before[natural] - work_before[start]
+    wanted = work_before[start] + total * reduction_s / max(reduction_s + gather_s, 1e-12)
+    position = slot
+    while position < natural and work_before[position] < wanted:
+        position += 1
+    return position
 
 
 def _keys(gm: fx.GraphModule, ctx: PassContext, model: CostModel) -> tuple[dict, list[_Collective], dict]:
     """The wanted position of every movable node: (slot, phase, group, anchor, original position).
 
     slot: the position (in the original order) of the compute node this node should precede or follow;
-    phase at a slot: 0 gathers issued, 1 waits and copy-outs, 2 the compute node itself, 3 reductions issued.
+    phase at a slot: 0 waits and copy-outs, 1 gathers issued (-1 in an inference graph), 2 the compute node itself,
+    3 reductions issued. In forward and backward graphs waits come before the gathers of their slot: a collective
+    waited for there was issued earlier, and on one link (one gloo worker thread, one NCCL stream) the new gather
+    would not start before it finished anyway, while its buffers (gloo's staging copy of a gather in flight) are
+    freed before the new gather's are allocated.
     """
     graph = gm.graph
     order = position(graph)
@@ -151,24 +278,33 @@ def _keys(gm: fx.GraphModule, ctx: PassContext, model: CostModel) -> tuple[dict,
     gathers = sorted((c for c in collectives if c.node.meta["fxshard"]["role"] == "all_gather"),
                      key=lambda c: (c.first_use, order[c.node]))
     reductions = [c for c in collectives if c.node.meta["fxshard"]["role"] != "all_gather"]
-    slots = _gather_slots(gathers, ctx, work_before, comm_s)
-
     keys: dict[fx.Node, tuple] = {n: (order[n], 2, 0, order[n], order[n]) for n in graph.nodes}
-    for k, gather in enumerate(gathers):
-        for node in gather.issue:
-            keys[node] = (slots[gather.node][0], 0, k, 0, order[node])
     for reduction in reductions:  # as soon as the gradients exist (graph order: inputs are keyed first)
         for node in reduction.issue:
             ready = max((keys[a][0] for a in node.all_input_nodes if a.op != "placeholder"), default=0)
             keys[node] = (ready, 3, 0, 1, order[node])
     reductions.sort(key=lambda c: (keys[c.node], order[c.node]))
     limit = {r.node: keys[later.node][:3] + (0,) for r, later in zip(reductions, reductions[1:])}
+    in_flight = [(r, keys[r.node][0], min(r.first_use, limit[r.node][0] + 1 if r.node in limit else r.first_use))
+                 for r in reductions]
+    for gather in gathers:
+        copied_in = [a for a in gather.node.all_input_nodes if a in gather.issue]
+        gather.nbytes = (tensor_bytes(gather.node.meta.get("val")), sum(tensor_bytes(a.meta.get("val"))
+                                                                        for a in copied_in))
+    curve = _live_bytes(graph, order, {n for g in gathers for n in (*g.issue, *g.completion)})
+    slots, waits_before = _gather_slots(gathers, ctx, work_before, comm_s, in_flight, curve)
+    for reduction, slot in waits_before.items():
+        limit[reduction] = min(limit.get(reduction, (slot, 0, 0, 0)), (slot, 0, 0, 0))
+
+    for k, gather in enumerate(gathers):
+        for node in gather.issue:
+            keys[node] = (slots[gather.node][0], 1 if ctx.graph in TRAINING_GRAPHS else -1, k, 0, order[node])
     for collective in collectives:  # waits and copy-outs: right before their first reader, in reverse order
         for node in reversed(collective.completion):
             readers = [keys[u][:4] for u in node.users]
             wanted = min(readers, default=keys[node][:4])
             if wanted[1] == 2:  # before a compute node (or the output): with the waits of its slot
-                wanted = (wanted[0], 1, 0, 0)
+                wanted = (wanted[0], 0, 0, 0)
             wanted = min(wanted, limit.get(collective.node, wanted))
             keys[node] = (*wanted, order[node])
     return keys, collectives, {"slots": slots, "comm_s": comm_s, "gathers": gathers}
@@ -281,7 +417,8 @@ def _record(gm: fx.GraphModule, ctx: PassContext, model: CostModel, collectives,
         record = {"issued_before": issued_before, "comm_s": facts["comm_s"][node], "overlap_s": overlap,
                   "exposed_s": max(0.0, facts["comm_s"][node] - overlap)}
         if node in facts["slots"]:
-            record["lookahead"] = facts["slots"][node][1]
+            _, record["lookahead"], notes = facts["slots"][node]
+            record.update(notes)
         node.meta["fxshard"] = {**node.meta["fxshard"], "schedule": record}
 
 

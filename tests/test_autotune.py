@@ -25,10 +25,10 @@ def test_the_default_grouping_of_a_model_with_repeated_blocks_is_chosen_by_the_s
     backend = scenarios.compiled_model("gpt", 3)
     assert_expected_inline(describe_choices(backend.graphs), """\
 knobs chosen by the simulator (the fastest predicted graph):
-  graph 0 forward: bucket="auto", prefetch=1, max_inflight_gathers=2: 4.44 ms, 468,224 bytes  <- chosen
-  graph 0 forward: bucket="layer", prefetch=1, max_inflight_gathers=2: 15.41 ms, 415,488 bytes
-  graph 0 backward: bucket="auto", prefetch=1, max_inflight_gathers=2: 6.19 ms, 680,456 bytes  <- chosen
-  graph 0 backward: bucket="layer", prefetch=1, max_inflight_gathers=2: 27.82 ms, 589,832 bytes""")
+  graph 0 forward: bucket="auto", prefetch=1, max_inflight_gathers=2: 4.49 ms, 468,224 bytes  <- chosen
+  graph 0 forward: bucket="layer", prefetch=1, max_inflight_gathers=2: 16.16 ms, 415,488 bytes
+  graph 0 backward: bucket="auto", prefetch=1, max_inflight_gathers=2: 7.25 ms, 656,200 bytes  <- chosen
+  graph 0 backward: bucket="layer", prefetch=1, max_inflight_gathers=2: 28.32 ms, 589,832 bytes""")
     for kind, gm in _graphs(backend).items():
         choice = gm.meta["fxshard_choice"]
         assert choice["machine"] == GLOO_ON_CPU  # a CPU graph's default
@@ -42,7 +42,10 @@ def test_memory_budget_picks_the_fastest_predicted_schedule_that_fits(unbounded)
     choice = unbounded["backward"].meta["fxshard_choice"]
     given, *others = choice["candidates"]
     assert choice["chosen"] == 0 and given["knobs"] == 'bucket="auto", prefetch=1, max_inflight_gathers=2'
-    assert all(c["predicted_s"] > given["predicted_s"] for c in others)
+    # none faster; a less eager cap can schedule alike (the prefetch pass's memory rule already holds gathers
+    # back there), and a tie keeps the knobs as given
+    assert all(c["predicted_s"] >= given["predicted_s"] for c in others)
+    assert any(c["predicted_s"] > given["predicted_s"] for c in others)
     budget = given["bytes"] - 1  # the default schedule does not fit (compilation used to fail here)
     graphs = _graphs(scenarios.compiled_model("gpt", 3, memory_budget=budget))  # compiles: a schedule fits
     choice = graphs["backward"].meta["fxshard_choice"]

@@ -43,8 +43,6 @@ primals_4: f32[40]
 primals_5: f32[3]
 cat_default = aten.cat([primals_1, primals_2]) -> f32[72]  # fc1 copy_in
 all_gather_fc1 = c10d.all_gather_into_tensor(cat_default) -> f32[144]  # fc1 all_gather
-cat_default_1 = aten.cat([primals_4, primals_5]) -> f32[43]  # fc2 copy_in
-all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[86]  # fc2 all_gather
 wait_fc1 = c10d.wait_tensor(all_gather_fc1) -> f32[144]  # fc1 wait
 view_default = aten.view(wait_fc1) -> f32[2,72]  # fc1 copy_out
 split_with_sizes_default = aten.split_with_sizes(view_default) -> (f32[2,64], f32[2,8])  # fc1 copy_out
@@ -56,6 +54,8 @@ getitem_1 = getitem(split_with_sizes_default) -> f32[2,8]  # fc1 copy_out
 clone_default_1 = aten.clone(getitem_1) -> f32[2,8]  # fc1 copy_out
 fc1_bias = aten.view(clone_default_1) -> f32[16]  # fc1 copy_out
 addmm = aten.addmm(fc1_bias, primals_3, t) -> f32[4,16]
+cat_default_1 = aten.cat([primals_4, primals_5]) -> f32[43]  # fc2 copy_in
+all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[86]  # fc2 all_gather
 relu = aten.relu(addmm) -> f32[4,16]
 wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[86]  # fc2 wait
 view_default_1 = aten.view(wait_fc2) -> f32[2,43]  # fc2 copy_out

@@ -128,13 +128,19 @@ class FourBlocks(nn.Module):
         return x
 
 
+# Activations (BATCH x 8 floats per block) outweigh a block's 8 x 8 weight, as in a real model: with fewer rows
+# a gathered weight would be most of what a step holds, and the pass's memory rule would keep every gather at
+# its use (test_a_gather_that_would_raise_the_peak_is_held_back).
+BATCH = 64
+
+
 def compile_four_blocks(**options) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     with fake_process_group(2):
         backend = fxshard.backend(stage=3, **{"compiler": "eager", **options})
         model, _ = backend.prepare(FourBlocks())
-        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8)).sum().backward()
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(BATCH, 8)).sum().backward()
     return {r.kind: r.final for r in backend.graphs if r.kind in ("forward", "backward")}
 
 
@@ -202,32 +208,33 @@ wait(reduce_scatter blocks.0)""")
 
 def test_prefetch_1_gathers_the_next_unit_during_this_ones_compute(scheduled):
     # forward: unit i+1's gather before unit i's matmul; backward: unit i-1's before unit i's; reduce-scatters
-    # right after their gradient, each waited for when the next one is issued
+    # right after their gradient, each waited for when the next one or the next gather is issued; at one matmul,
+    # the waits before the gathers issued there
     assert_expected_inline(both(scheduled[1]), """\
 all_gather blocks.0
-all_gather blocks.1
 wait(all_gather blocks.0)
+all_gather blocks.1
     mm(primals_2, t)
-all_gather blocks.2
 wait(all_gather blocks.1)
+all_gather blocks.2
     mm(relu, t_1)
-all_gather blocks.3
 wait(all_gather blocks.2)
+all_gather blocks.3
     mm(relu_1, t_2)
 wait(all_gather blocks.3)
     mm(relu_2, t_3)
 --- backward ---
 all_gather blocks.3
     mm(t_4, relu_2)
-all_gather blocks.2
 wait(all_gather blocks.3)
+all_gather blocks.2
     mm(threshold_backward, t_6)
 reduce_scatter blocks.3
     mm(t_8, relu_1)
-all_gather blocks.1
 wait(all_gather blocks.2)
     mm(threshold_backward_1, t_10)
 wait(reduce_scatter blocks.3)
+all_gather blocks.1
 reduce_scatter blocks.2
     mm(t_12, relu)
 wait(all_gather blocks.1)
@@ -244,11 +251,11 @@ def test_prefetch_2_gathers_two_units_ahead(scheduled):
     assert_expected_inline(both(scheduled[2]), """\
 all_gather blocks.0
 all_gather blocks.1
-all_gather blocks.2
 wait(all_gather blocks.0)
+all_gather blocks.2
     mm(primals_2, t)
-all_gather blocks.3
 wait(all_gather blocks.1)
+all_gather blocks.3
     mm(relu, t_1)
 wait(all_gather blocks.2)
     mm(relu_1, t_2)
@@ -258,8 +265,8 @@ wait(all_gather blocks.3)
 all_gather blocks.3
 all_gather blocks.2
     mm(t_4, relu_2)
-all_gather blocks.1
 wait(all_gather blocks.3)
+all_gather blocks.1
     mm(threshold_backward, t_6)
 reduce_scatter blocks.3
     mm(t_8, relu_1)
@@ -280,8 +287,14 @@ wait(reduce_scatter blocks.0)""")
 
 def test_the_in_flight_cap_holds_back_deeper_prefetch(scheduled):
     capped = compile_four_blocks(prefetch=2)  # default max_inflight_gathers=2: no room for a third buffer
-    assert positions(capped["forward"]) == positions(scheduled[1]["forward"])
+    # each gather goes before the same matmul as with prefetch=1 (where the waits fall around it may differ: a
+    # gather issued at the graph's start precedes the first wait, one issued at unit 0's compute follows it)
+    assert without_waits(capped["forward"]) == without_waits(scheduled[1]["forward"])
     assert alive_gathers(capped["forward"]) == 2 and alive_gathers(scheduled[2]["forward"]) == 3
+
+
+def without_waits(gm) -> list[str]:
+    return [line for line in positions(gm).splitlines() if not line.startswith("wait(")]
 
 
 def lookaheads(gm) -> list[int]:
@@ -307,6 +320,68 @@ def test_prefetch_lowers_the_estimated_exposed_communication(scheduled):
     schedule = record.meta["fxshard"]["schedule"]
     assert schedule["issued_before"] == "t" and schedule["overlap_s"] > 0  # issued before unit 0's compute
     assert schedule["exposed_s"] == pytest.approx(schedule["comm_s"] - schedule["overlap_s"])
+
+
+def test_a_gather_issued_while_a_reduction_is_in_flight_goes_after_its_wait(scheduled):
+    # the reduction's gradient buffers (and gloo's copy of them) are freed before the gather allocates its own;
+    # the gather still has compute to hide behind, between that wait and its own
+    nodes = {n.name: n for n in scheduled[1]["backward"].graph.nodes}
+    order = {node: i for i, node in enumerate(nodes.values())}
+    gather, reduction = nodes["all_gather_blocks_1"], nodes["reduce_scatter_blocks_3"]
+    schedule = gather.meta["fxshard"]["schedule"]
+    assert schedule["after_wait_of"] == "reduce_scatter_blocks_3"
+    (reduction_wait,), (gather_wait,) = reduction.users, gather.users
+    assert order[reduction] < order[reduction_wait] < order[gather] < order[gather_wait]
+    assert schedule["overlap_s"] > 0 and schedule["lookahead"] == 1
+    assert "after_wait_of" not in nodes["all_gather_blocks_2"].meta["fxshard"]["schedule"]  # none in flight there
+
+
+class WideTemporary(nn.Module):
+    """FourBlocks whose second block makes a temporary 64 times as wide as its activations: the forward's peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = torch.relu(block(x))
+            if i == 1:
+                x = x + x.repeat(1, 64).mul(2.0).view(x.shape[0], 64, 8).sum(1)  # nothing of it saved
+        return x
+
+
+def test_a_gather_that_would_raise_the_peak_is_held_back():
+    torch._dynamo.reset()
+    with fake_process_group(2):
+        backend = fxshard.backend(stage=3, compiler="eager", prefetch=1)
+        model, _ = backend.prepare(WideTemporary())
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(BATCH, 8)).sum().backward()
+    forward = next(r.final for r in backend.graphs if r.kind == "forward")
+    nodes = list(forward.graph.nodes)
+    gathers = {n.meta["fxshard"]["unit"]: n for n in nodes if n.meta.get("fxshard", {}).get("role") == "all_gather"}
+    held = {unit: n.meta["fxshard"]["schedule"]["held_back_for_peak"] for unit, n in gathers.items()}
+    # blocks.2's gather would be in flight during blocks.1's wide temporary: it is issued past its widest point
+    assert held == {"blocks.0": False, "blocks.1": False, "blocks.2": True, "blocks.3": False}
+    # the widest point: the mul, where the repeated tensor and the product are both alive
+    (widest,) = next(n for n in nodes if n.target is aten.repeat.default).users
+    assert nodes.index(widest) < nodes.index(gathers["blocks.2"])
+    # ... and still ahead of its own use: some compute stays between it and its wait
+    assert gathers["blocks.2"].meta["fxshard"]["schedule"]["overlap_s"] > 0
+    # the FourBlocks of the tests above, with 4 rows instead of 64: a block's weight outweighs its activations,
+    # and no gather can go ahead without raising the peak
+    small = compile_small_four_blocks()
+    assert [n.meta["fxshard"]["schedule"]["held_back_for_peak"] for n in small.graph.nodes
+            if n.meta.get("fxshard", {}).get("role") == "all_gather"] == [False, True, True, True]
+
+
+def compile_small_four_blocks():
+    global BATCH
+    rows, BATCH = BATCH, 4
+    try:
+        return compile_four_blocks(prefetch=1)["forward"]
+    finally:
+        BATCH = rows
 
 
 # -- the schedule= hook ---------------------------------------------------------------------------------------------
