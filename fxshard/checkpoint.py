@@ -48,7 +48,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Shard
 
 from .errors import FxShardError
-from .prepare import _SPECS, MASTER_STEP, gather_full, spec_of, updating_optimizer
+from .prepare import _SPECS, gather_full, replace_updated_state, spec_of, updating_optimizer
 from .sharding import ShardSpec, shard_of
 
 __all__ = [
@@ -229,9 +229,7 @@ def optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict:
             for kind, value in kinds.items()
         }
     if getattr(optimizer, _MADE_FOR_STATE_DICT, False):
-        if hasattr(optimizer, MASTER_STEP):
-            getattr(optimizer, MASTER_STEP).replace_state({})
-        optimizer.state.clear()
+        replace_updated_state(optimizer, {})
         delattr(optimizer, _MADE_FOR_STATE_DICT)
     return {**state_dict, "state": state}
 

@@ -29,7 +29,7 @@ from .ops import cast_to, flat_padded
 from .passes.fx_utils import unit_of
 from .prepare import (
     FULL_COPY_OF, GRAD_SYNC_OF, MASTER_OF, MASTER_STEP, REPLACED_BY_SHARD, SPEC_OF, GradSync, gather_full,
-    spec_of, updating_optimizer,
+    replace_updated_state, spec_of, updating_optimizer,
 )
 from .sharding import ShardSpec, pack_greedily, shard_of, unpad
 
@@ -413,11 +413,7 @@ def load_full_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
             laid_out[updated] = kinds
     for group, saved in zip(optimizer.param_groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
-    if hasattr(optimizer, MASTER_STEP):
-        getattr(optimizer, MASTER_STEP).replace_state(laid_out)
-    else:
-        optimizer.state.clear()
-        optimizer.state.update(laid_out)
+    replace_updated_state(optimizer, laid_out)
 
 
 # -- a compiled optimizer.step -------------------------------------------------------------------------------------

@@ -72,6 +72,17 @@ def updating_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
     return optimizer if master_step is None else master_step.inner
 
 
+def replace_updated_state(optimizer: torch.optim.Optimizer, state_of_updated: dict) -> None:
+    """Make ``state_of_updated`` (keyed by what ``updating_optimizer`` updates) the optimizer's whole state: at
+    stage 1 through its MasterStep, which shares it with the returned optimizer's parameters."""
+    master_step = getattr(optimizer, MASTER_STEP, None)
+    if master_step is not None:
+        master_step.replace_state(state_of_updated)
+    else:
+        optimizer.state.clear()
+        optimizer.state.update(state_of_updated)
+
+
 def spec_of(param: torch.Tensor) -> ShardSpec | None:
     """The ShardSpec of a leaf laid out by ``prepare``, or None for any other tensor."""
     return SPEC_OF.get(param)
