@@ -209,8 +209,16 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, graph_id: int, group_name
     if all(other == record for other in records):
         return
     shared: list = [None] * len(records)
-    with unset_fake_temporarily():
-        dist.all_gather_object(shared, (kind, schedule), group=check_group)
+    try:
+        with unset_fake_temporarily():
+            dist.all_gather_object(shared, (kind, schedule), group=check_group)
+    except RuntimeError as error:
+        raise FxShardError(
+            f"rank {rank}: the ranks compiled different collective schedules for their {kind} graph {graph_id} "
+            f"(their records differ), and a peer did not take part in exchanging the schedules to name the "
+            f"difference ({str(error).strip().splitlines()[0]}); look for the peer's own error. Every rank must "
+            "compile the same graph: no control flow on the rank, the same model attributes and input shapes"
+        ) from error
     kinds = [k for k, _ in shared]
     schedules = [s for _, s in shared]
     raise FxShardError(

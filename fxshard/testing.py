@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import queue
@@ -116,6 +117,11 @@ def fake_process_group(world_size: int = 2, rank: int = 0):
         dist.destroy_process_group()
 
 
+# A rank that gives no result in time is sent this signal before it is killed: faulthandler writes its threads' stacks
+STACKS_SIGNAL = signal.SIGUSR1
+STACKS_SHOWN = 6000  # characters of that dump the error shows (each thread's innermost frame comes first)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -130,6 +136,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: fl
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ["LIBC_FATAL_STDERR_"] = "1"  # older glibc writes its abort message to the terminal otherwise
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a rank that gives no result shows where it waits
     torch.set_num_threads(1)
     if backend == "nccl":  # one GPU per rank
         torch.cuda.set_device(rank)
@@ -237,7 +244,8 @@ class WorkerPool:
             failures.append(f"--- rank {rank} died ({how}); its last output lines: ---\n"
                             f"{_last_lines(self._log_path(rank))}")
         if silent:
-            failures.append(f"ranks {silent} gave no result in time")
+            failures.append(f"ranks {silent} gave no result in time; where each one was:")
+            failures += [f"--- rank {rank}'s Python threads ---\n{self._stacks_of(rank)}" for rank in silent]
         if deaths or silent:
             for rank in silent:  # stuck in a collective with a dead or failed peer
                 self._procs[rank].kill()
@@ -247,6 +255,21 @@ class WorkerPool:
             headline = f"{name}: rank(s) {sorted(deaths)} died" if deaths else f"{name} failed"
             raise WorkerError(f"{headline}:\n" + "\n".join(failures), outcomes, deaths)
         return [outcomes[rank][1] for rank in range(self.world_size)]
+
+    def _stacks_of(self, rank: int) -> str:
+        """The Python stack of every thread of a live rank, which its faulthandler writes into its log."""
+        with open(self._log_path(rank), "rb") as log:
+            written = len(log.read())
+        os.kill(self._procs[rank].pid, STACKS_SIGNAL)
+        dump, deadline = b"", time.monotonic() + 5.0
+        while time.monotonic() < deadline:  # done when it stops growing
+            time.sleep(0.2)
+            with open(self._log_path(rank), "rb") as log:
+                now = log.read()[written:]
+            if now and now == dump:
+                break
+            dump = now
+        return dump.decode(errors="replace")[:STACKS_SHOWN] or "(it wrote no stack within 5 s)"
 
     def close(self) -> None:
         for proc, tasks in zip(self._procs, getattr(self, "_tasks", [])):

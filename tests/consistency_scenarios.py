@@ -52,3 +52,24 @@ def compile_a_forward_that_branches_on_the_rank() -> str:
     except fxshard.FxShardError as error:
         return str(error)
     return "compiled and ran without an error"
+
+
+def rank_0_leaves_the_exchange_of_schedules() -> str:
+    """As ``compile_a_forward_that_branches_on_the_rank``, but rank 0 fails (a RuntimeError, as gloo raises) as the
+    ranks start to exchange their whole schedules; returns each rank's error. Leaves the check's group unusable."""
+    import torch.distributed as dist
+
+    rank, _ = rank_and_world()
+    if rank == 0:
+        def failing_exchange(*args, **kwargs):
+            raise RuntimeError("rank 0 left the exchange")
+
+        dist.all_gather_object = failing_exchange
+    torch.manual_seed(0)
+    backend = fxshard.backend(compiler="eager", stage=3, collective_timeout_s=2)
+    model, _ = backend.prepare(BranchingMLP(takes_extra=rank == 1))
+    try:
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))
+    except fxshard.FxShardError as error:
+        return str(error)
+    return "compiled and ran without an error"

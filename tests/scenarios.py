@@ -671,6 +671,16 @@ def worker_threads_of_groups() -> dict:
             "fxshard": gloo_worker_threads(spec_of(model.fc1._parameters["weight"]).group_name)}
 
 
+def sleep_on_rank(sleeper: int, seconds: float) -> str:
+    """Rank ``sleeper`` sleeps ``seconds`` (past a pool's timeout), the others return at once."""
+    import time
+
+    rank, _ = rank_and_world()
+    if rank == sleeper:
+        time.sleep(seconds)
+    return f"rank {rank} returned"
+
+
 def abort_once(marker: str) -> str:
     """Rank 1 aborts (SIGABRT, as glibc's heap checks do) unless ``marker`` exists, which it creates first: a pool
     that ran the function again after the death would see every rank return."""

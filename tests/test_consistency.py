@@ -4,6 +4,7 @@ naming the first collective that differs, instead of deadlocking or exchanging t
 import consistency_scenarios
 import scenarios
 from fxshard.consistency import ScheduledCollective, collective_schedule, first_difference
+from fxshard.testing import WorkerPool
 
 
 def test_a_forward_that_branches_on_the_rank_fails_to_compile_on_every_rank(pools):
@@ -14,6 +15,19 @@ def test_a_forward_that_branches_on_the_rank_fails_to_compile_on_every_rank(pool
         assert ("collective #1 differs (rank 0: all_gather of unit 'fc2' (fc2.weight, fc2.bias), 43 float32 "
                 "elements; rank 1: all_gather of unit 'extra' (extra.weight, extra.bias), 136 float32 elements); "
                 "collectives per rank: rank 0: 2, rank 1: 3") in error, error
+
+
+def test_a_peer_that_leaves_the_exchange_of_schedules_fails_every_rank_with_fxshard_error():
+    pool = WorkerPool(2)  # its own ranks: the check's group is unusable after a collective that timed out
+    try:
+        errors = pool.run(consistency_scenarios.rank_0_leaves_the_exchange_of_schedules)
+    finally:
+        pool.close()
+    for rank, error in enumerate(errors):
+        assert error.startswith(f"rank {rank}: the ranks compiled different collective schedules for their forward "
+                                "graph 0 (their records differ), and a peer did not take part"), error
+    assert "(rank 0 left the exchange)" in errors[0]
+    assert "Timed out" in errors[1], errors[1]
 
 
 def test_shard_groups_of_a_hybrid_mesh_that_compiled_different_graphs_fail_on_every_rank(pools):

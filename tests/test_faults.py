@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import scenarios
 from fxshard.groups import collective_group, gloo_worker_threads
-from fxshard.testing import WorkerError, rank_and_world
+from fxshard.testing import WorkerError, WorkerPool, rank_and_world
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -85,6 +85,19 @@ def test_a_rank_aborted_by_a_signal_fails_the_run_and_is_never_run_again(pools, 
     assert message.startswith("abort_once: rank(s) [1] died")
     assert "rank 1 died (SIGABRT); its last output lines" in message
     assert "rank 1: last words before SIGABRT" in message and "the pool was restarted" in message
+
+
+def test_a_rank_that_gives_no_result_in_time_fails_the_run_with_its_python_stack():
+    pool = WorkerPool(2, timeout_s=8.0)
+    try:
+        with pytest.raises(WorkerError) as failure:
+            pool.run(scenarios.sleep_on_rank, 1, 120.0)
+    finally:
+        pool.close()
+    assert failure.value.outcomes == {0: (True, "rank 0 returned")} and not failure.value.deaths
+    message = str(failure.value)
+    assert "ranks [1] gave no result in time; where each one was:" in message, message
+    assert "--- rank 1's Python threads ---" in message and "in sleep_on_rank" in message, message
 
 
 def test_an_exception_in_one_ranks_loss_ends_its_peer_within_the_collective_timeout(pools):
