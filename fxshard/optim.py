@@ -13,6 +13,7 @@ parameters whose communication lives in these steps raises FxShardError instead 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -99,6 +100,7 @@ def shard_optimizer_over(
     sharded.register_step_post_hook(step.publish_parameters)
     returned = sharded if stage != 1 else _same_kind(optimizer, leaves)
     setattr(returned, _SHARDED_STEP, step)
+    returned.add_param_group = functools.partial(_refuse_new_param_group, stage)  # its own, over the class's
     # state_dict(): shards as DTensors of the parameters' full shapes; load_state_dict(): back to this rank's shards
     returned.register_state_dict_pre_hook(checkpoint.optimizer_state_dict_pre_hook)
     returned.register_state_dict_post_hook(checkpoint.optimizer_state_dict_post_hook)
@@ -106,6 +108,17 @@ def shard_optimizer_over(
     if stage == 1:
         MasterStep(returned, sharded)
     return returned
+
+
+def _refuse_new_param_group(stage: int, param_group: dict) -> None:
+    """``add_param_group`` on an optimizer prepare returned: its parameters would train on each rank alone (no
+    gradient reduction, no shard, and at stage 1 no master shard), diverging silently between ranks."""
+    raise FxShardError(
+        f"add_param_group on the optimizer backend.prepare returned (stage {stage}): prepare laid out the "
+        "parameters it was given, and the new group's would train on each rank alone, diverging between ranks. "
+        "Give the optimizer every parameter group before prepare: build it over model.parameters() (or its groups), "
+        "then call backend.prepare(model, optimizer)"
+    )
 
 
 class MasterStep:

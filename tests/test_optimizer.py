@@ -78,6 +78,19 @@ def test_stepping_another_optimizer_over_a_prepared_model_is_refused(stage):
             torch.optim.SGD(model.parameters(), lr=0.1).step()
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_param_group_added_after_prepare_is_refused_and_the_groups_stay(stage):
+    with fake_process_group(2):
+        model = MLP()
+        model, opt = fxshard.backend(compiler="eager", stage=stage).prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1))
+        groups = [list(group["params"]) for group in opt.param_groups]
+        with pytest.raises(fxshard.FxShardError, match=f"add_param_group on the optimizer backend.prepare returned "
+                                                       f"\\(stage {stage}\\)"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        assert [list(group["params"]) for group in opt.param_groups] == groups
+
+
 def test_an_optimizer_over_the_parameters_prepare_replaced_is_refused():
     with fake_process_group(2):
         model = MLP()
