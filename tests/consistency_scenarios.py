@@ -25,33 +25,32 @@ class BranchingMLP(nn.Module):
         return self.fc2(hidden)
 
 
+def _compile_the_branching_mlp(takes_extra: bool, **knobs) -> str:
+    """Prepare a stage-3 ``BranchingMLP`` with these backend knobs and compile its forward: the FxShardError the
+    compile raised, as a string."""
+    torch.manual_seed(0)
+    backend = fxshard.backend(compiler="eager", stage=3, **knobs)
+    model, _ = backend.prepare(BranchingMLP(takes_extra))
+    try:
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))
+    except fxshard.FxShardError as error:
+        return str(error)
+    return "compiled and ran without an error"
+
+
 def compile_a_forward_that_branches_between_shard_groups() -> str:
     """On a 2x2 hybrid mesh, the second shard group's forward takes the extra layer: each shard group agrees within
     itself, and only the replicas' all-reduce would meet the difference; returns each rank's error."""
     from scenarios import hybrid_mesh
 
     rank, _ = rank_and_world()
-    torch.manual_seed(0)
-    backend = fxshard.backend(compiler="eager", stage=3, mesh=hybrid_mesh((2, 2)))
-    model, _ = backend.prepare(BranchingMLP(takes_extra=rank >= 2))
-    try:
-        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))
-    except fxshard.FxShardError as error:
-        return str(error)
-    return "compiled and ran without an error"
+    return _compile_the_branching_mlp(rank >= 2, mesh=hybrid_mesh((2, 2)))
 
 
 def compile_a_forward_that_branches_on_the_rank() -> str:
     """Rank 1's forward takes the extra layer, rank 0's does not; returns the error each rank's compile raised."""
     rank, _ = rank_and_world()
-    torch.manual_seed(0)
-    backend = fxshard.backend(compiler="eager", stage=3)
-    model, _ = backend.prepare(BranchingMLP(takes_extra=rank == 1))
-    try:
-        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))
-    except fxshard.FxShardError as error:
-        return str(error)
-    return "compiled and ran without an error"
+    return _compile_the_branching_mlp(rank == 1)
 
 
 def rank_0_leaves_the_exchange_of_schedules() -> str:
@@ -65,11 +64,4 @@ def rank_0_leaves_the_exchange_of_schedules() -> str:
             raise RuntimeError("rank 0 left the exchange")
 
         dist.all_gather_object = failing_exchange
-    torch.manual_seed(0)
-    backend = fxshard.backend(compiler="eager", stage=3, collective_timeout_s=2)
-    model, _ = backend.prepare(BranchingMLP(takes_extra=rank == 1))
-    try:
-        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8))
-    except fxshard.FxShardError as error:
-        return str(error)
-    return "compiled and ran without an error"
+    return _compile_the_branching_mlp(rank == 1, collective_timeout_s=2)
