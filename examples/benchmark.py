@@ -116,7 +116,7 @@ BY_NAME = {config.name: config for config in CONFIGS}
 # records without shapes), FSDP2 calls c10d::_allgather_base_ / _reduce_scatter_base_, fxshard's graphs call
 # _c10d_functional ops that reach c10d::*_coalesced_; all of them end in a "gloo:<collective>" event, recorded on
 # gloo's worker threads with the tensor gloo actually moves. gloo has no reduce-scatter: it runs one as an
-# all-reduce of the whole input and keeps its slice, and the event says so.
+# all-reduce of the whole input and keeps its slice, and the event says so (fxshard's runs an all-to-all instead).
 _C10D_KINDS = {  # c10d op -> the collective it asks for
     "c10d::allreduce_": "AR",
     "c10d::_allgather_base_": "AG",
@@ -125,8 +125,9 @@ _C10D_KINDS = {  # c10d op -> the collective it asks for
     "c10d::_reduce_scatter_base_": "RS",
     "c10d::reduce_scatter_": "RS",
     "c10d::reduce_scatter_tensor_coalesced_": "RS",
+    "c10d::alltoall_base_": "RS",  # fxshard's reduce-scatter on gloo: an all-to-all, then a local sum
 }
-_GLOO_KINDS = {"gloo:all_reduce": "AR", "gloo:all_gather": "AG"}
+_GLOO_KINDS = {"gloo:all_reduce": "AR", "gloo:all_gather": "AG", "gloo:all_to_all": "A2A"}
 _ITEM_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
 
@@ -149,10 +150,10 @@ def count_collectives(prof: profile) -> tuple[dict[str, int], dict[str, list[int
 
 def ring_bytes_sent(collectives: dict[str, list[int]], world: int) -> int:
     """Bytes one rank sends in a ring implementation of the collectives gloo ran: an all-reduce of B bytes sends
-    2(N-1)/N B, an all-gather of a B-byte input sends (N-1) B."""
+    2(N-1)/N B, an all-gather of a B-byte input sends (N-1) B, an all-to-all of B bytes (N-1)/N B."""
     sent = 0.0
     for kind, (_, nbytes) in collectives.items():
-        sent += {"AR": 2 * (world - 1) / world, "AG": world - 1}[kind] * nbytes
+        sent += {"AR": 2 * (world - 1) / world, "AG": world - 1, "A2A": (world - 1) / world}[kind] * nbytes
     return round(sent)
 
 
@@ -233,6 +234,7 @@ _LOCAL_COLLECTIVES = {
     "reduce_scatter_tensor": _scattered,
     "reduce_scatter_tensor_out": _scattered_out,
     "reduce_scatter_tensor_coalesced": lambda inputs, op, n, group: [_scattered(x, op, n, group) for x in inputs],
+    "all_to_all_single": lambda input, output_sizes, input_sizes, group: input.clone(),
     "all_reduce": lambda input, op, group: input.clone(),
     "all_reduce_": lambda input, op, group: input,
     "all_reduce_coalesced": lambda inputs, op, group: [x.clone() for x in inputs],

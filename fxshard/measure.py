@@ -29,6 +29,7 @@ from .errors import FxShardError
 _KINDS = {
     "_c10d_functional::all_gather_into_tensor": "all_gather",
     "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional::all_to_all_single": "reduce_scatter",  # fxshard's reduce-scatter on gloo (then a local sum)
     "_c10d_functional::all_reduce": "all_reduce",
 }
 _STEP_MARK = "fxshard::step_end"

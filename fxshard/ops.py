@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .groups import peer_failures_explained
+from .groups import peer_failures_explained, scatters_by_all_to_all
 
 _c10d = torch.ops._c10d_functional
 
@@ -41,6 +41,16 @@ def flat_padded(full: torch.Tensor, world_size: int) -> torch.Tensor:
     flat = full.reshape(-1)
     padding = -flat.numel() % world_size
     return torch.nn.functional.pad(flat, (0, padding)) if padding else flat.contiguous()
+
+
+def reduce_scatter_mean(flat: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    """This rank's slice of the average over the ranks of ``flat`` (of ``world_size`` equal slices), waited for: a
+    reduce-scatter, or on gloo an all-to-all of the slices and their sum here (``scatters_by_all_to_all``)."""
+    if not scatters_by_all_to_all(group_name):
+        return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "avg", world_size, group_name))
+    slices = [flat.numel() // world_size] * world_size
+    received = _c10d.wait_tensor(_c10d.all_to_all_single(flat, slices, slices, group_name))
+    return received.view(world_size, -1).sum(0).div_(world_size)
 
 
 def cast_to(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -100,8 +110,7 @@ def reduce_grad(
         if grad_reduction == "all_reduce":
             reduced = _c10d.wait_tensor(_c10d.all_reduce(grad.contiguous(), "avg", group_name))
         else:
-            flat = flat_padded(grad, world_size)
-            reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "avg", world_size, group_name))
+            reduced = reduce_scatter_mean(flat_padded(grad, world_size), world_size, group_name)
             if replicate_group_name:
                 reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "avg", replicate_group_name))
     return cast_to(reduced, grad_dtype)

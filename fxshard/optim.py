@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import checkpoint
 from .errors import FxShardError
 from .groups import peer_failures_explained
-from .ops import cast_to, flat_padded
+from .ops import cast_to, flat_padded, reduce_scatter_mean
 from .passes.fx_utils import unit_of
 from .prepare import (
     FULL_COPY_OF, GRAD_SYNC_OF, MASTER_OF, MASTER_STEP, REPLACED_BY_SHARD, SPEC_OF, GradSync, gather_full,
@@ -282,7 +282,7 @@ def _reduce_scatter_into_masters(masters: list[torch.Tensor]) -> None:
     rows = params[0].grad.new_empty(world, sum(s.chunk for s in specs), dtype=specs[0].reduce_dtype)
     for param, spec, columns in zip(params, specs, rows.split([s.chunk for s in specs], dim=1)):
         columns.copy_(flat_padded(param.grad, world).view(world, spec.chunk))
-    reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(rows.view(-1), "avg", world, group))
+    reduced = reduce_scatter_mean(rows.view(-1), world, group)
     if specs[0].replicate_group_name:  # hybrid sharding: then over the ranks that hold the same shards
         reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "avg", specs[0].replicate_group_name))
     for master, param, piece in zip(masters, params, reduced.split([s.chunk for s in specs])):

@@ -14,7 +14,9 @@ chose for the stage), not from the stage itself:
   first marker was; a shard read twice in a unit is gathered once;
 - ``reduce_grad`` markers of one unit, dtype and reduction become one collective placed where the unit's last
   marker was: ``reduce_scatter``: per gradient flat ``view`` -> ``constant_pad_nd`` -> ``view [world, chunk]`` ->
-  ``cat`` on dim 1 -> ``reduce_scatter_tensor(avg)`` -> ``wait_tensor`` -> (hybrid sharding, where the markers name a
+  ``cat`` on dim 1 -> ``reduce_scatter_tensor(avg)`` -> ``wait_tensor`` (on a gloo group: ``all_to_all_single`` ->
+  ``wait_tensor`` -> ``view [world, chunk]`` -> ``sum`` on dim 0 -> ``div`` by the world size, twice as fast as
+  gloo's own reduce-scatter, which all-reduces the whole buffer) -> (hybrid sharding, where the markers name a
   replicate group: ``all_reduce(avg)`` of the shard over it, named ``all_reduce_replicas_<unit>`` and recording
   ``across="replicate"`` and ``ranks``, -> ``wait_tensor``) -> ``split_with_sizes`` (nodes named ``<param>_grad``);
   ``all_reduce``: flat ``view`` -> ``cat`` -> ``all_reduce(avg)`` -> ``wait_tensor`` -> ``split_with_sizes`` ->
@@ -34,6 +36,7 @@ from collections import defaultdict
 import torch
 from torch import fx
 
+from fxshard.groups import scatters_by_all_to_all
 from fxshard.ops import REDUCE_GRAD, UNSHARD
 
 from .context import PassContext
@@ -174,8 +177,16 @@ def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Nod
             flat = emit("copy_in", aten.constant_pad_nd.default, flat, [0, padding])
         rows.append(flat if len(markers) == 1 else emit("copy_in", aten.view.default, flat, [world, chunk]))
     buffer = rows[0] if len(rows) == 1 else emit("copy_in", aten.view.default, emit("copy_in", aten.cat.default, rows, 1), [-1])
-    reduced = emit("reduce_scatter", c10d.reduce_scatter_tensor.default, buffer, "avg", world, group_name)
-    reduced = emit("wait", c10d.wait_tensor.default, reduced)
+    if scatters_by_all_to_all(group_name):
+        slices = [sum(chunks)] * world
+        received = emit("reduce_scatter", c10d.all_to_all_single.default, buffer, slices, slices, group_name)
+        received = emit("wait", c10d.wait_tensor.default, received)
+        rows_received = emit("copy_out", aten.view.default, received, [world, sum(chunks)])
+        summed = emit("copy_out", aten.sum.dim_IntList, rows_received, [0])
+        reduced = emit("copy_out", aten.div.Tensor, summed, world)
+    else:
+        reduced = emit("reduce_scatter", c10d.reduce_scatter_tensor.default, buffer, "avg", world, group_name)
+        reduced = emit("wait", c10d.wait_tensor.default, reduced)
     if replicate_group_name:  # hybrid sharding: average the shard over the ranks that hold it too
         reduced = emit("all_reduce", c10d.all_reduce.default, reduced, "avg", replicate_group_name,
                        name=f"all_reduce_replicas_{emit.unit}")
