@@ -15,7 +15,7 @@ import scenarios
 from test_numerics import assert_matches_reference
 
 STEPS = 5
-COLLECTIVE = re.compile(r"_c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|wait_tensor)\.default\(")
+COLLECTIVE = re.compile(r"_c10d_functional\.(all_gather_into_tensor|all_to_all_single|wait_tensor)\.default\(")
 
 
 def train_with_inductor(model_name: str) -> dict:
@@ -32,12 +32,13 @@ def test_inductor_compiled_mlp_matches_single_process(pools):
         assert_matches_reference(result, "sgd")
         assert result["compiled_graphs"] == [(0, "backward"), (0, "forward"), (0, "joint")]
         # One generated module per graph, forward first (AOT compiles the backward at the first backward call):
-        # the forward gathers, the backward re-gathers and reduce-scatters, and every collective is waited on.
+        # the forward gathers, the backward re-gathers and reduce-scatters (on gloo: all-to-alls, then a sum), and
+        # every collective is waited on.
         forward, backward = result["collectives"]
-        assert forward["all_gather_into_tensor"] > 0 and forward["reduce_scatter_tensor"] == 0
-        assert backward["reduce_scatter_tensor"] > 0
+        assert forward["all_gather_into_tensor"] > 0 and forward["all_to_all_single"] == 0
+        assert backward["all_to_all_single"] > 0
         for module in (forward, backward):
-            assert module["wait_tensor"] == module["all_gather_into_tensor"] + module["reduce_scatter_tensor"]
+            assert module["wait_tensor"] == module["all_gather_into_tensor"] + module["all_to_all_single"]
 
 
 def test_inductor_is_the_default_compiler():
