@@ -185,8 +185,8 @@ class Backend:
         for tensor in laid_out:
             PREPARED_BY[tensor] = weakref.ref(self)
         model.__dict__[_BACKEND] = _KeepAlive(self)
-        # every rank prepares at the same point: the consistency check's group is made here, not at a compile
-        # (on a hybrid mesh over all of it: ranks of different shard groups meet in the replicas' all-reduce)
+        # the consistency check compares over the ranks of this group (on a hybrid mesh over all of it: ranks of
+        # different shard groups meet in the replicas' all-reduce)
         spec = next((spec_of(t) for t in laid_out if spec_of(t) is not None), None)
         self._check_group_name = "" if spec is None else spec.all_ranks_group_name
         prepare_check_group(self._check_group_name, self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))

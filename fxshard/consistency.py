@@ -10,29 +10,31 @@ So at each compile of a graph that runs (forward, backward, inference), the back
 
 1. ``collective_schedule(gm)``, a pure function of the lowered graph, lists its collectives in graph order: kind,
    unit, the parameters it carries, dtype, element count, process group;
-2. every rank contributes a fixed-size record (a marker, the graph's kind, the schedule's length, a 64-bit hash of
-   the schedule) to one all-gather of ``4 * world_size`` int64s;
-3. only where the records differ do the ranks exchange their whole schedules (``all_gather_object``), and every rank
-   raises ``FxShardError`` naming the first position at which they differ and what each rank has there.
+2. every rank writes its graph's kind and schedule under a key of its own in the process group's store (the
+   TCPStore every rank already talks to), waits for its peers' keys and reads them;
+3. where they differ, every rank raises ``FxShardError`` naming the first position at which they differ and what
+   each rank has there.
 
 The Dynamo-level graph of a compiled ``optimizer.step`` is not checked itself: its collectives are lowered into the
 inference graph AOT autograd makes of it, and that graph is checked.
 
-Which group the check runs on: a gloo group of its own over the ranks of the group the graph's collectives name
-(``check_group``, made by every rank in ``backend.prepare``). The ranks matter: they are exactly the peers whose
-graphs must agree. The communicator must not be the graphs' own, because of the one case the check cannot cover:
-a compile that happens on one rank only (a Dynamo guard that fails on that rank alone, e.g. its batch has a new
-shape while its peers' does not). That rank enters the check while its peers run their compiled graphs. On the
-graphs' group the check's small all-gather would be matched with a peer's first all-gather or reduce-scatter: gloo
-aborts the rank whose buffer is the smaller one, or, at equal byte counts, hands each rank the other's data. On a
-group of its own nothing is matched wrongly: the peers' graph collectives wait for the compiling rank, which waits
-in the check: after the backend's ``collective_timeout_s`` every rank fails with an FxShardError, the peers with
-fxshard's error about a peer that stopped running the same step, the compiling rank with one saying its peers did
-not compile this graph (at once if a failed peer's process exits first: its connection closes). The check waits
-for its peers as long as any of fxshard's collectives does (``collective_timeout_s``): ranks that compile the same
-graph reach it within that time, and where one compiles much longer (Inductor on a cold cache beside a warm one)
-the timeout is the knob to raise, as it would be for the graph's first collective without the check. A gloo group
-works whatever backend the graphs use (NCCL too): the records are small CPU tensors.
+Why the store and not a collective: the check runs inside compilation, where torch's Python dispatcher holds the
+GIL across a c10d call. torch 2.13's ``ProcessGroupGloo`` destroys a finished work (and the tensors it holds) in its
+worker thread while holding the group's work mutex, and releasing a tensor that Python knows takes the GIL: a
+second collective issued from here then waits for that mutex with the GIL held, and the process hangs for good
+(no timeout fires; seen with the two all-gathers of ``all_gather_object``, gdb: the worker in
+``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil``, the main thread in ``ProcessGroupGloo::enqueue``).
+A store is also no communicator of the graphs: a compile that happens on one rank only (a Dynamo guard that fails
+on that rank alone, e.g. its batch has a new shape while its peers' does not) cannot match the check's exchange
+with a peer's graph collective. That rank waits for keys its peers never write, while the peers' graph
+collectives wait for it: after the backend's ``collective_timeout_s`` every rank fails with an FxShardError, the
+peers with fxshard's error about a peer that stopped running the same step, the compiling rank with one saying
+its peers did not compile this graph. The check waits for its peers as long as any of fxshard's collectives does
+(``collective_timeout_s``): ranks that compile the same graph reach it within that time, and where one compiles
+much longer (Inductor on a cold cache beside a warm one) the timeout is the knob to raise, as it would be for the
+graph's first collective without the check. The keys name the group, the rank and the how-manieth check of the
+group this is on that rank (``check_index``): ranks that compiled different numbers of graphs wait for keys that
+never come, and fail the same way.
 
 Nothing is checked where there is nothing to compare: a world of one rank, and the single-process ``fake`` group of
 ``fxshard.testing.fake_process_group`` (its collectives return garbage).
@@ -42,23 +44,30 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
+import pickle
 
 import torch
 import torch.distributed as dist
 from torch import fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .errors import FxShardError
 from .passes.fx_utils import COLLECTIVE_ROLES, marker_args, replica_ranks
 
-# A record that does not start with this did not come from check_same_schedule ("fxshard" in ASCII).
-RECORD_MARKER = int.from_bytes(b"fxshard", "big")
 GRAPH_KINDS = ("forward", "backward", "inference")
+KEY_PREFIX = "fxshard/schedule"  # keys in the process group's store: <prefix>/<group>/<check index>/<rank>
 
-# the graphs' group name -> (that group, the gloo group the check runs on); a group of the same name made after a
-# destroy_process_group is another group, and gets its own
-_CHECK_GROUPS: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+@dataclasses.dataclass
+class _CheckedGroup:
+    """A group whose graphs are checked: the group itself (a group of the same name made after a
+    destroy_process_group is another one), how long a rank waits for its peers, and how many checks ran."""
+
+    group: dist.ProcessGroup
+    timeout_s: float
+    checks: int = 0
+
+
+_CHECKED: dict[str, _CheckedGroup] = {}  # the graphs' group name -> its record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +128,6 @@ def collective_schedule(gm: fx.GraphModule) -> list[ScheduledCollective]:
     return schedule
 
 
-def schedule_hash(kind: str, schedule: list[ScheduledCollective]) -> int:
-    """A signed 64-bit hash of a graph's kind and collective schedule, equal on every rank for equal schedules
-    (``hash()`` of a str is salted per process, so it is not used)."""
-    text = repr((kind, [dataclasses.astuple(entry) for entry in schedule]))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big", signed=True)
-
-
 def first_difference(kinds: list[str], schedules: list[list[ScheduledCollective]], ranks: list[int]) -> str:
     """Where the schedules of ``ranks`` (in that order) first differ, and what each rank has there (pure)."""
     if len(set(kinds)) > 1:
@@ -140,7 +142,7 @@ def first_difference(kinds: list[str], schedules: list[list[ScheduledCollective]
                 for rank, entry in zip(ranks, entries))
             lengths = ", ".join(f"rank {rank}: {len(s)}" for rank, s in zip(ranks, schedules))
             return f"collective #{position} differs ({what}); collectives per rank: {lengths}"
-    return "their schedules are equal but their records differed (a record was corrupted on the way)"
+    return "their schedules are equal"
 
 
 def _needs_check(group: dist.ProcessGroup) -> bool:
@@ -148,51 +150,50 @@ def _needs_check(group: dist.ProcessGroup) -> bool:
 
 
 def prepare_check_group(group_name: str, timeout_s: float) -> None:
-    """Make the gloo group the check runs on for graphs whose collectives name ``group_name``, waiting ``timeout_s``
-    for peers: every rank of that group must call this at the same point (``backend.prepare`` does). Nothing for one
-    rank or the fake group."""
-    if not group_name or _check_group_of(group_name) is not None:
+    """Check the graphs whose collectives name ``group_name`` from now on, waiting ``timeout_s`` for peers in each
+    check. Nothing for one rank or the fake group. Local: no communication."""
+    if not group_name or _checked(group_name) is not None:
         return
     group = dist.distributed_c10d._resolve_process_group(group_name)
-    if not _needs_check(group):
-        return
-    _CHECK_GROUPS[group_name] = (group, dist.new_group(
-        ranks=dist.get_process_group_ranks(group), backend="gloo",
-        timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True,
-    ))
+    if _needs_check(group):
+        _CHECKED[group_name] = _CheckedGroup(group, timeout_s)
 
 
-def _check_group_of(group_name: str) -> dist.ProcessGroup | None:
-    source, check_group = _CHECK_GROUPS.get(group_name, (None, None))
-    if check_group is None or not dist.is_initialized():
+def _checked(group_name: str) -> _CheckedGroup | None:
+    checked = _CHECKED.get(group_name)
+    if checked is None or not dist.is_initialized():
         return None
     try:
         current = dist.distributed_c10d._resolve_process_group(group_name)
     except (RuntimeError, ValueError):  # destroyed since
         return None
-    return check_group if current is source else None
+    return checked if current is checked.group else None
 
 
-def _records(check_group: dist.ProcessGroup, record: list[int]) -> list[list[int]]:
-    with unset_fake_temporarily():  # the compilers may run inside AOT autograd's fake mode: this must be real
-        mine = torch.tensor(record, dtype=torch.int64)
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(check_group))]
-        dist.all_gather(gathered, mine, group=check_group)
-    return [t.tolist() for t in gathered]
+def _exchange(checked: _CheckedGroup, group_name: str, mine: tuple) -> list[tuple]:
+    """Every rank's ``(kind, schedule)`` of this check, in group rank order, through the default store."""
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"{KEY_PREFIX}/{group_name}/{checked.checks}"
+    checked.checks += 1
+    ranks = dist.get_process_group_ranks(checked.group)
+    store.set(f"{prefix}/{dist.get_rank()}", pickle.dumps(mine))
+    keys = [f"{prefix}/{rank}" for rank in ranks]
+    store.wait(keys, datetime.timedelta(seconds=checked.timeout_s))
+    return [pickle.loads(store.get(key)) for key in keys]
 
 
 def check_same_schedule(gm: fx.GraphModule, kind: str, graph_id: int, group_name: str) -> None:
     """Raise FxShardError on every rank unless every rank of the group compiled a ``kind`` graph with this collective
-    schedule. A collective on the check's own group; does nothing where ``prepare_check_group`` made none."""
-    check_group = _check_group_of(group_name)
-    if check_group is None or kind not in GRAPH_KINDS:
+    schedule. Waits for the group's ranks (through the store); does nothing for a group ``prepare_check_group`` did
+    not register."""
+    checked = _checked(group_name)
+    if checked is None or kind not in GRAPH_KINDS:
         return
     schedule = collective_schedule(gm)
-    rank, ranks = dist.get_rank(), dist.get_process_group_ranks(check_group)
-    record = [RECORD_MARKER, GRAPH_KINDS.index(kind), len(schedule), schedule_hash(kind, schedule)]
+    rank, ranks = dist.get_rank(), dist.get_process_group_ranks(checked.group)
     try:
-        records = _records(check_group, record)
-    except RuntimeError as error:
+        shared = _exchange(checked, group_name, (kind, schedule))
+    except (RuntimeError, dist.DistError) as error:
         raise FxShardError(
             f"rank {rank} compiled its {kind} graph {graph_id} and waited for the other ranks to compare collective "
             f"schedules, but they did not take part ({str(error).strip().splitlines()[0]}). A peer failed (look for "
@@ -201,24 +202,8 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, graph_id: int, group_name
             "between ranks): give every rank the same shapes and code path. A rank waits collective_timeout_s for "
             "its peers (a backend option: raise it if one rank compiles much longer than the others)"
         ) from error
-    strangers = [r for r, other in zip(ranks, records) if other[0] != RECORD_MARKER]
-    if strangers:  # the group is fxshard's alone, so this is not expected: say so rather than compare garbage
-        raise FxShardError(f"rank {rank}: ranks {strangers} sent something else than a schedule record in "
-                           f"fxshard's consistency check of its {kind} graph {graph_id}; do not use fxshard's "
-                           "groups for collectives of your own")
-    if all(other == record for other in records):
+    if all(other == (kind, schedule) for other in shared):
         return
-    shared: list = [None] * len(records)
-    try:
-        with unset_fake_temporarily():
-            dist.all_gather_object(shared, (kind, schedule), group=check_group)
-    except RuntimeError as error:
-        raise FxShardError(
-            f"rank {rank}: the ranks compiled different collective schedules for their {kind} graph {graph_id} "
-            f"(their records differ), and a peer did not take part in exchanging the schedules to name the "
-            f"difference ({str(error).strip().splitlines()[0]}); look for the peer's own error. Every rank must "
-            "compile the same graph: no control flow on the rank, the same model attributes and input shapes"
-        ) from error
     kinds = [k for k, _ in shared]
     schedules = [s for _, s in shared]
     raise FxShardError(
@@ -230,5 +215,5 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, graph_id: int, group_name
     )
 
 
-__all__ = ["ScheduledCollective", "check_same_schedule", "collective_schedule",
-           "first_difference", "prepare_check_group", "schedule_hash"]
+__all__ = ["ScheduledCollective", "check_same_schedule", "collective_schedule", "first_difference",
+           "prepare_check_group"]
