@@ -24,7 +24,7 @@ from . import autotune
 from .blocks import block_prefixes, describe_grouping, repeated_blocks
 from .consistency import check_same_schedule, prepare_check_group
 from .errors import FxShardError
-from .groups import explaining_peer_failures
+from .groups import explaining_peer_failures, scatters_by_all_to_all
 from .pipeline import GraphRecord, Pass, run_passes
 from .optim import (
     annotate_optimizer_graph, clip_grad_norm_, full_state_dict, load_full_state_dict, mark_published,
@@ -245,6 +245,7 @@ class Backend:
             world_size=first.world_size if first else 1,
             group_name=first.group_name if first else "",
             optimizer_bytes=0 if self.optimizer is None else optimizer_bytes(self.optimizer, self.model),
+            reduce_scatter_by_all_to_all=first is not None and scatters_by_all_to_all(first.group_name),
             **self.knobs,
         )
         context = dataclasses.replace(context, blocks=self._block_names())

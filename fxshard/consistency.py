@@ -33,8 +33,8 @@ its peers did not compile this graph. The check waits for its peers as long as a
 (``collective_timeout_s``): ranks that compile the same graph reach it within that time, and where one compiles
 much longer (Inductor on a cold cache beside a warm one) the timeout is the knob to raise, as it would be for the
 graph's first collective without the check. The keys name the group, the rank and the how-manieth check of the
-group this is on that rank (``check_index``): ranks that compiled different numbers of graphs wait for keys that
-never come, and fail the same way.
+group this is on that rank (``_CheckedGroup.checks``): ranks that compiled different numbers of graphs wait for
+keys that never come, and fail the same way.
 
 Nothing is checked where there is nothing to compare: a world of one rank, and the single-process ``fake`` group of
 ``fxshard.testing.fake_process_group`` (its collectives return garbage).
@@ -170,12 +170,11 @@ def _checked(group_name: str) -> _CheckedGroup | None:
     return checked if current is checked.group else None
 
 
-def _exchange(checked: _CheckedGroup, group_name: str, mine: tuple) -> list[tuple]:
-    """Every rank's ``(kind, schedule)`` of this check, in group rank order, through the default store."""
+def _exchange(checked: _CheckedGroup, ranks: list[int], mine: tuple) -> list[tuple]:
+    """Every rank's ``(kind, schedule)`` of this check, in the order of ``ranks``, through the default store."""
     store = dist.distributed_c10d._get_default_store()
-    prefix = f"{KEY_PREFIX}/{group_name}/{checked.checks}"
+    prefix = f"{KEY_PREFIX}/{checked.group.group_name}/{checked.checks}"
     checked.checks += 1
-    ranks = dist.get_process_group_ranks(checked.group)
     store.set(f"{prefix}/{dist.get_rank()}", pickle.dumps(mine))
     keys = [f"{prefix}/{rank}" for rank in ranks]
     store.wait(keys, datetime.timedelta(seconds=checked.timeout_s))
@@ -192,7 +191,7 @@ def check_same_schedule(gm: fx.GraphModule, kind: str, graph_id: int, group_name
     schedule = collective_schedule(gm)
     rank, ranks = dist.get_rank(), dist.get_process_group_ranks(checked.group)
     try:
-        shared = _exchange(checked, group_name, (kind, schedule))
+        shared = _exchange(checked, ranks, (kind, schedule))
     except (RuntimeError, dist.DistError) as error:
         raise FxShardError(
             f"rank {rank} compiled its {kind} graph {graph_id} and waited for the other ranks to compare collective "

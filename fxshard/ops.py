@@ -43,14 +43,20 @@ def flat_padded(full: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, padding)) if padding else flat.contiguous()
 
 
-def reduce_scatter_mean(flat: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+def reduce_scatter_mean(flat: torch.Tensor, world_size: int, group_name: str,
+                        replicate_group_name: str = "") -> torch.Tensor:
     """This rank's slice of the average over the ranks of ``flat`` (of ``world_size`` equal slices), waited for: a
-    reduce-scatter, or on gloo an all-to-all of the slices and their sum here (``scatters_by_all_to_all``)."""
-    if not scatters_by_all_to_all(group_name):
-        return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "avg", world_size, group_name))
-    slices = [flat.numel() // world_size] * world_size
-    received = _c10d.wait_tensor(_c10d.all_to_all_single(flat, slices, slices, group_name))
-    return received.view(world_size, -1).sum(0).div_(world_size)
+    reduce-scatter, or on gloo an all-to-all of the slices and their sum here (``scatters_by_all_to_all``); on a
+    hybrid mesh then averaged over the ranks that hold the same slice (``replicate_group_name``)."""
+    if scatters_by_all_to_all(group_name):
+        slices = [flat.numel() // world_size] * world_size
+        received = _c10d.wait_tensor(_c10d.all_to_all_single(flat, slices, slices, group_name))
+        reduced = received.view(world_size, -1).sum(0).div_(world_size)
+    else:
+        reduced = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(flat, "avg", world_size, group_name))
+    if replicate_group_name:
+        reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "avg", replicate_group_name))
+    return reduced
 
 
 def cast_to(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -110,9 +116,7 @@ def reduce_grad(
         if grad_reduction == "all_reduce":
             reduced = _c10d.wait_tensor(_c10d.all_reduce(grad.contiguous(), "avg", group_name))
         else:
-            reduced = reduce_scatter_mean(flat_padded(grad, world_size), world_size, group_name)
-            if replicate_group_name:
-                reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "avg", replicate_group_name))
+            reduced = reduce_scatter_mean(flat_padded(grad, world_size), world_size, group_name, replicate_group_name)
     return cast_to(reduced, grad_dtype)
 
 

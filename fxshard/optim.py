@@ -282,9 +282,7 @@ def _reduce_scatter_into_masters(masters: list[torch.Tensor]) -> None:
     rows = params[0].grad.new_empty(world, sum(s.chunk for s in specs), dtype=specs[0].reduce_dtype)
     for param, spec, columns in zip(params, specs, rows.split([s.chunk for s in specs], dim=1)):
         columns.copy_(flat_padded(param.grad, world).view(world, spec.chunk))
-    reduced = reduce_scatter_mean(rows.view(-1), world, group)
-    if specs[0].replicate_group_name:  # hybrid sharding: then over the ranks that hold the same shards
-        reduced = _c10d.wait_tensor(_c10d.all_reduce(reduced, "avg", specs[0].replicate_group_name))
+    reduced = reduce_scatter_mean(rows.view(-1), world, group, specs[0].replicate_group_name)
     for master, param, piece in zip(masters, params, reduced.split([s.chunk for s in specs])):
         # a tensor of its own, not a view into the bucket: a compiled step would see each gradient's storage offset
         # and trace it as a size symbol

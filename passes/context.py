@@ -34,6 +34,8 @@ class PassContext:
         ``optimizer`` graph (``opt.step`` compiled with the backend).
     world_size, group_name: the process group the markers name (one group per backend).
     optimizer_bytes: bytes per rank the prepared optimizer keeps outside every graph (state, stage-1 masters).
+    reduce_scatter_by_all_to_all: lower a reduce-scatter to an all-to-all and a local sum (the group is gloo's,
+        whose own reduce-scatter all-reduces the whole buffer: ``fxshard.groups.scatters_by_all_to_all``).
 
     Knobs (``fxshard.backend(stage, **knobs)``; every field below is one):
     reshard_after_forward: stage 3 only: free gathered weights after forward and gather again in backward (True,
@@ -73,6 +75,7 @@ class PassContext:
     world_size: int
     group_name: str
     optimizer_bytes: int = 0
+    reduce_scatter_by_all_to_all: bool = False
     reshard_after_forward: bool = True
     bucket: str | int = "layer"
     blocks: Sequence[str | type] = ()
@@ -86,5 +89,5 @@ class PassContext:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
-FACTS = ("stage", "graph", "world_size", "group_name", "optimizer_bytes")
+FACTS = ("stage", "graph", "world_size", "group_name", "optimizer_bytes", "reduce_scatter_by_all_to_all")
 KNOBS = tuple(f.name for f in dataclasses.fields(PassContext) if f.name not in FACTS)

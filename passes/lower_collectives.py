@@ -14,11 +14,12 @@ chose for the stage), not from the stage itself:
   first marker was; a shard read twice in a unit is gathered once;
 - ``reduce_grad`` markers of one unit, dtype and reduction become one collective placed where the unit's last
   marker was: ``reduce_scatter``: per gradient flat ``view`` -> ``constant_pad_nd`` -> ``view [world, chunk]`` ->
-  ``cat`` on dim 1 -> ``reduce_scatter_tensor(avg)`` -> ``wait_tensor`` (on a gloo group: ``all_to_all_single`` ->
-  ``wait_tensor`` -> ``view [world, chunk]`` -> ``sum`` on dim 0 -> ``div`` by the world size, twice as fast as
-  gloo's own reduce-scatter, which all-reduces the whole buffer) -> (hybrid sharding, where the markers name a
-  replicate group: ``all_reduce(avg)`` of the shard over it, named ``all_reduce_replicas_<unit>`` and recording
-  ``across="replicate"`` and ``ranks``, -> ``wait_tensor``) -> ``split_with_sizes`` (nodes named ``<param>_grad``);
+  ``cat`` on dim 1 -> ``reduce_scatter_tensor(avg)`` -> ``wait_tensor`` (with ``ctx.reduce_scatter_by_all_to_all``,
+  on gloo: ``all_to_all_single`` -> ``wait_tensor`` -> ``view [world, chunk]`` -> ``sum`` on dim 0 -> ``div`` by the
+  world size, twice as fast as gloo's own reduce-scatter, which all-reduces the whole buffer) -> (hybrid sharding,
+  where the markers name a replicate group: ``all_reduce(avg)`` of the shard over it, named
+  ``all_reduce_replicas_<unit>`` and recording ``across="replicate"`` and ``ranks``, -> ``wait_tensor``) ->
+  ``split_with_sizes`` (nodes named ``<param>_grad``);
   ``all_reduce``: flat ``view`` -> ``cat`` -> ``all_reduce(avg)`` -> ``wait_tensor`` -> ``split_with_sizes`` ->
   ``view`` to each shape. A gradient consumed before that point is reduced on its own;
   ``none`` (stage 0 under ``no_sync``) becomes the gradient itself.
@@ -30,13 +31,13 @@ parameter. Every inserted node records ``meta["fxshard"] = {"unit", "role", "par
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import defaultdict
 
 import torch
 from torch import fx
 
-from fxshard.groups import scatters_by_all_to_all
 from fxshard.ops import REDUCE_GRAD, UNSHARD
 
 from .context import PassContext
@@ -166,7 +167,7 @@ def _reduce_dtype(marker: fx.Node) -> torch.dtype:
     return marker_args(marker)["reduce_dtype"] or marker.args[0].meta["val"].dtype
 
 
-def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Node]:
+def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], by_all_to_all: bool) -> list[fx.Node]:
     world, group_name, replicate_group_name = _group_of(markers[0])
     chunks = [m.meta["val"].numel() for m in markers]
     rows = []
@@ -177,7 +178,7 @@ def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Nod
             flat = emit("copy_in", aten.constant_pad_nd.default, flat, [0, padding])
         rows.append(flat if len(markers) == 1 else emit("copy_in", aten.view.default, flat, [world, chunk]))
     buffer = rows[0] if len(rows) == 1 else emit("copy_in", aten.view.default, emit("copy_in", aten.cat.default, rows, 1), [-1])
-    if scatters_by_all_to_all(group_name):
+    if by_all_to_all:
         slices = [sum(chunks)] * world
         received = emit("reduce_scatter", c10d.all_to_all_single.default, buffer, slices, slices, group_name)
         received = emit("wait", c10d.wait_tensor.default, received)
@@ -215,12 +216,15 @@ def _lower_all_reduce(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Node]:
     return [_cast(emit, grad, m.meta["val"].dtype, _reduce_dtype(m)) for grad, m in zip(grads, markers)]
 
 
-def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node]) -> None:
+def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], by_all_to_all: bool) -> None:
     order = position(graph)
     markers = sorted(markers, key=order.__getitem__)
     sites = [site for m in markers for site in m.meta.get("fxshard", {}).get("merged", [marker_args(m)["fqn"]])]
     emit = _Emitter(graph, unit, sites)
-    lower = _lower_all_reduce if marker_args(markers[0])["grad_reduction"] == "all_reduce" else _lower_reduce_scatter
+    if marker_args(markers[0])["grad_reduction"] == "all_reduce":
+        lower = _lower_all_reduce
+    else:
+        lower = functools.partial(_lower_reduce_scatter, by_all_to_all=by_all_to_all)
     with graph.inserting_before(markers[-1]):
         reduced = lower(emit, markers)
     for marker, grad in zip(markers, reduced):
@@ -252,7 +256,7 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     by_reduction = _unit_groups(reduces, key=lambda m: (marker_args(m)["grad_reduction"], _reduce_dtype(m)))
     for (unit, *_), markers in by_reduction.items():
         for group in _split_late_consumers(graph, markers):
-            _lower_reduce(graph, unit, group)
+            _lower_reduce(graph, unit, group, ctx.reduce_scatter_by_all_to_all)
     graph.lint()
     gm.recompile()
     refresh_fake_values(gm)
