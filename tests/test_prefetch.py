@@ -134,13 +134,13 @@ class FourBlocks(nn.Module):
 BATCH = 64
 
 
-def compile_four_blocks(**options) -> dict:
+def compile_four_blocks(model_class: type = FourBlocks, rows: int = BATCH, **options) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     with fake_process_group(2):
         backend = fxshard.backend(stage=3, **{"compiler": "eager", **options})
-        model, _ = backend.prepare(FourBlocks())
-        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(BATCH, 8)).sum().backward()
+        model, _ = backend.prepare(model_class())
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(rows, 8)).sum().backward()
     return {r.kind: r.final for r in backend.graphs if r.kind in ("forward", "backward")}
 
 
@@ -352,12 +352,7 @@ class WideTemporary(nn.Module):
 
 
 def test_a_gather_that_would_raise_the_peak_is_held_back():
-    torch._dynamo.reset()
-    with fake_process_group(2):
-        backend = fxshard.backend(stage=3, compiler="eager", prefetch=1)
-        model, _ = backend.prepare(WideTemporary())
-        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(BATCH, 8)).sum().backward()
-    forward = next(r.final for r in backend.graphs if r.kind == "forward")
+    forward = compile_four_blocks(WideTemporary, prefetch=1)["forward"]
     nodes = list(forward.graph.nodes)
     gathers = {n.meta["fxshard"]["unit"]: n for n in nodes if n.meta.get("fxshard", {}).get("role") == "all_gather"}
     held = {unit: n.meta["fxshard"]["schedule"]["held_back_for_peak"] for unit, n in gathers.items()}
@@ -370,18 +365,9 @@ def test_a_gather_that_would_raise_the_peak_is_held_back():
     assert gathers["blocks.2"].meta["fxshard"]["schedule"]["overlap_s"] > 0
     # the FourBlocks of the tests above, with 4 rows instead of 64: a block's weight outweighs its activations,
     # and no gather can go ahead without raising the peak
-    small = compile_small_four_blocks()
+    small = compile_four_blocks(rows=4, prefetch=1)["forward"]
     assert [n.meta["fxshard"]["schedule"]["held_back_for_peak"] for n in small.graph.nodes
             if n.meta.get("fxshard", {}).get("role") == "all_gather"] == [False, True, True, True]
-
-
-def compile_small_four_blocks():
-    global BATCH
-    rows, BATCH = BATCH, 4
-    try:
-        return compile_four_blocks(prefetch=1)["forward"]
-    finally:
-        BATCH = rows
 
 
 # -- the schedule= hook ---------------------------------------------------------------------------------------------
