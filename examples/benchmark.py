@@ -53,7 +53,7 @@ from fxshard.simulate import calibrate  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
 from examples.train_gpt import batches  # noqa: E402
 from fxshard.passes import PassContext  # noqa: E402
-from fxshard.prepare import updating_optimizer  # noqa: E402
+from fxshard.runtime.prepare import updating_optimizer  # noqa: E402
 
 # vocab 2048 x d_model 256 embedding (tied with the LM head) + 4 blocks of 789,760 + positions and final LayerNorm
 MODEL = GPTConfig(vocab_size=2048, block_size=64, n_layer=4, n_head=4, d_model=256)
@@ -301,7 +301,7 @@ def build(config: Config, args: argparse.Namespace, no_comm: bool):
     if no_comm:
         use_local_functional_collectives()
     if config.on_users_gloo_group:  # this process runs this configuration alone
-        fxshard.prepare.collective_group = lambda group, timeout_s: group
+        fxshard.runtime.prepare.collective_group = lambda group, timeout_s: group
     backend = fxshard.backend(config.stage, **{"compiler": args.compiler, **config.options})
     model, optimizer = backend.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
     return model, optimizer, torch.compile(model, backend=backend, fullgraph=True), backend

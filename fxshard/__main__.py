@@ -201,8 +201,8 @@ def _report(args, script_args: list[str]) -> int:
     """Run the script here, recording every backend it prepares and the collectives of each optimizer step."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from .measure import CollectiveCounter
-    from .report import ledger_report
+    from fxshard.report.measure import CollectiveCounter
+    from fxshard.report.tables import ledger_report
 
     with CollectiveCounter() as counter:
         handle = register_optimizer_step_post_hook(lambda *a: counter.mark_step())

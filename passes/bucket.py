@@ -7,9 +7,9 @@ pass sets that key, so bucketing is a naming decision here and a rewrite there:
 
 - ``bucket="layer"``: one collective per module that owns parameters (the layer's name);
 - ``bucket="block"``: one per entry of ``blocks`` (module names: the backend resolves the classes a user names,
-  ``fxshard.blocks.block_prefixes``), like FSDP2's per-block ``fully_shard``; a parameter under no block keeps its
+  ``fxshard.compiler.blocks.block_prefixes``), like FSDP2's per-block ``fully_shard``; a parameter under no block keeps its
   layer's unit, and a parameter under nested blocks belongs to the innermost one;
-- ``bucket="auto"``: the same, over the blocks the backend found in the model (``fxshard.blocks.repeated_blocks``:
+- ``bucket="auto"``: the same, over the blocks the backend found in the model (``fxshard.compiler.blocks.repeated_blocks``:
   its repeated blocks and the model itself; none found, ``blocks`` is empty and every parameter keeps its layer);
 - ``bucket=<int>``: greedy in graph order over whole layers: consecutive layers share a bucket while its full
   buffer stays within the byte cap (a layer larger than the cap is a bucket of its own); buckets are named
@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.ops import REDUCE_GRAD, UNSHARD
-from fxshard.sharding import pack_greedily
+from fxshard.runtime.ops import REDUCE_GRAD, UNSHARD
+from fxshard.runtime.sharding import pack_greedily
 
 from .context import PassContext
 from .fx_utils import ROOT_UNIT, marker_args, position, unit_of
@@ -88,7 +88,7 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     if any(not isinstance(b, str) for b in ctx.blocks):
         raise FxShardError("bucket_pass got module classes in blocks; the backend resolves them with "
-                           "fxshard.blocks.block_prefixes(model, blocks): call backend.prepare(model) first")
+                           "fxshard.compiler.blocks.block_prefixes(model, blocks): call backend.prepare(model) first")
     order = position(gm.graph)
     markers = sorted(
         (m for target in (UNSHARD, REDUCE_GRAD) for m in gm.graph.find_nodes(op="call_function", target=target)

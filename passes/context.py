@@ -35,15 +35,15 @@ class PassContext:
     world_size, group_name: the process group the markers name (one group per backend).
     optimizer_bytes: bytes per rank the prepared optimizer keeps outside every graph (state, stage-1 masters).
     reduce_scatter_by_all_to_all: lower a reduce-scatter to an all-to-all and a local sum (the group is gloo's,
-        whose own reduce-scatter all-reduces the whole buffer: ``fxshard.groups.scatters_by_all_to_all``).
+        whose own reduce-scatter all-reduces the whole buffer: ``fxshard.runtime.groups.scatters_by_all_to_all``).
 
     Knobs (``fxshard.backend(stage, **knobs)``; every field below is one):
     reshard_after_forward: stage 3 only: free gathered weights after forward and gather again in backward (True,
         ZeRO-3) or keep them from forward to backward (False: 2Ψ instead of 3Ψ per step, more memory).
     bucket: how collectives are grouped: ``"layer"`` (one per module that owns parameters), ``"block"`` (one per
         entry of ``blocks``), ``"auto"`` (one per repeated block the backend finds in the model, and one for the
-        rest: ``fxshard.blocks``; the backend compiles per layer instead where the simulator predicts it faster, or
-        where only that fits ``memory_budget``: ``fxshard.autotune``), or an int byte cap (greedy, in graph order).
+        rest: ``fxshard.compiler.blocks``; the backend compiles per layer instead where the simulator predicts it faster, or
+        where only that fits ``memory_budget``: ``fxshard.simulate.autotune``), or an int byte cap (greedy, in graph order).
         The backend's default depends on the stage: stage 0 packs its all-reduces into ``DDP_BUCKET_BYTES`` (DDP's
         25 MiB ``bucket_cap_mb``), the sharded stages communicate per block (``"auto"``; per layer in a model
         without repeated blocks).
@@ -55,7 +55,7 @@ class PassContext:
     schedule: a researcher's ordering function ``schedule(gm, ctx) -> gm`` run in place of the prefetch pass.
     memory_budget: bytes per rank the rewritten graphs may need: the backend keeps the fastest predicted schedule
         (up to ``prefetch`` and ``max_inflight_gathers``; per block or per layer under ``bucket="auto"``) that fits
-        (``fxshard.autotune``); where none does, ``budget_pass`` fails compilation with the ledger.
+        (``fxshard.simulate.autotune``); where none does, ``budget_pass`` fails compilation with the ledger.
     param_dtype: mixed precision: the dtype forward and backward compute in (parameters are cast from the fp32
         master before they are gathered); None computes in the parameters' own dtype.
     reduce_dtype: mixed precision: the dtype gradients are reduced in; None reduces in ``param_dtype``.

@@ -30,6 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
 
+
 def tensor_bytes(value) -> int:
     """Bytes of every tensor in ``value`` (a tensor, or a nested list / tuple of them)."""
     leaves, _ = tree_flatten(value)

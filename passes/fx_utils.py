@@ -8,7 +8,6 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-
 ROOT_UNIT = "root"
 # meta["fxshard"]["role"] of the nodes lower_collectives_pass makes that communicate
 COLLECTIVE_ROLES = ("all_gather", "reduce_scatter", "all_reduce")

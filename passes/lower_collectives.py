@@ -38,7 +38,7 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from fxshard.ops import REDUCE_GRAD, UNSHARD
+from fxshard.runtime.ops import REDUCE_GRAD, UNSHARD
 
 from .context import PassContext
 from .fx_utils import COLLECTIVE_ROLES, fxshard_meta, marker_args, position, refresh_fake_values, unit_of

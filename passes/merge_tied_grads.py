@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxshard.ops import REDUCE_GRAD
+from fxshard.runtime.ops import REDUCE_GRAD
 
 from .context import PassContext
 from .fx_utils import fxshard_meta, marker_args, position

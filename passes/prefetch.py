@@ -23,7 +23,7 @@ in a row, so nothing overlaps. This pass moves nodes (it never adds, removes or 
 - ``prefetch`` is the most units ahead a gather goes: the ``CostModel`` estimates each gather's time and the
   compute of the units in between, and the gather goes only as far ahead as it needs to be hidden (less memory).
   (Under ``memory_budget`` the backend tries less eager ``prefetch`` / ``max_inflight_gathers`` pairs too and keeps
-  the fastest that fits: ``fxshard.autotune``; this pass schedules the pair it is given.)
+  the fastest that fits: ``fxshard.simulate.autotune``; this pass schedules the pair it is given.)
 - in forward and backward graphs, a gather goes ahead only where it keeps the graph's estimated peak where it is
   with that gather issued right before its first use: the pass estimates the bytes alive at each node from
   ``meta["val"]`` (a tensor from the node that makes it to its last reader, a graph input to its last reader as

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxshard.ops import UNSHARD
+from fxshard.runtime.ops import UNSHARD
 
 from .context import PassContext
 from .fx_utils import is_view

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxshard.ops import UNSHARD
+from fxshard.runtime.ops import UNSHARD
 
 from .context import PassContext
 from .fx_utils import fxshard_meta, unit_of

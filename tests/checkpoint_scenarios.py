@@ -26,7 +26,9 @@ from torch.distributed.tensor import DTensor
 
 import fxshard
 from fxshard import checkpoint
-from fxshard.prepare import gather_full, spec_of
+from fxshard.runtime import layout
+from fxshard.runtime.layout import gather_full, rows_are_shard
+from fxshard.runtime.prepare import spec_of
 from fxshard.testing import rank_and_world
 from scenarios import build_model, global_batch, hybrid_mesh, make_optimizer, peak_allocated_bytes
 
@@ -443,7 +445,7 @@ def peak_during_save(directory: str, model_name: str = "layers") -> dict:
     opt.step()
     opt.zero_grad()
     gathered = {"made": 0, "alive": 0, "most_alive": 0}
-    gather_full = checkpoint.gather_full
+    gather_full = layout.gather_full
 
     def counted_gather_full(*args, **kwargs):  # every full tensor the save gathers, and how many live at once
         full = gather_full(*args, **kwargs)
@@ -453,17 +455,17 @@ def peak_during_save(directory: str, model_name: str = "layers") -> dict:
         weakref.finalize(full, gathered.__setitem__, "alive", gathered["alive"] - 1)
         return full
 
-    checkpoint.gather_full = counted_gather_full
+    layout.gather_full = counted_gather_full
     try:
         peak = peak_allocated_bytes(lambda: checkpoint.save(model, opt, pathlib.Path(directory) / model_name))
     finally:
-        checkpoint.gather_full = gather_full
+        layout.gather_full = gather_full
     specs = [spec_of(p) for p in model.parameters()]
     kinds = 1 + sum(1 for v in next(iter(opt.state.values())).values() if v.dim())  # the parameter + its states
     return {
         "gathered": gathered["made"],
         "most_gathered_at_once": gathered["most_alive"],
-        "uneven_tensors": kinds * sum(1 for s in specs if not checkpoint.rows_are_shard(s)),
+        "uneven_tensors": kinds * sum(1 for s in specs if not rows_are_shard(s)),
         "peak": peak,
         "largest_parameter": max(s.numel for s in specs) * 4,
         "local": kinds * sum(s.chunk for s in specs) * 4,

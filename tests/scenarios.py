@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxshard
 from examples.models import GPT, MLP, GPTConfig, gpt_batch
-from fxshard.prepare import updating_optimizer
+from fxshard.runtime.prepare import updating_optimizer
 from fxshard.testing import rank_and_world
 
 PER_RANK_BATCH = 4
@@ -77,7 +77,7 @@ def train_against_reference(
     the collectives of the last step (and, with ``clip``, the gradient norms each clipped by). ``compile_step``
     compiles ``opt.step`` with the same backend. ``device``: where both models train (``"cuda"``: this rank's GPU);
     what is returned is on the CPU. ``mesh_shape``: (replicas, shards) of a hybrid-sharding mesh over every rank."""
-    from fxshard.measure import CollectiveCounter
+    from fxshard.report.measure import CollectiveCounter
 
     rank, world = rank_and_world()
     model = build_model(model_name).to(device)
@@ -137,7 +137,7 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
     saved for backward or kept alive between steps."""
     import gc
 
-    from fxshard.prepare import spec_of
+    from fxshard.runtime.prepare import spec_of
 
     torch._dynamo.reset()
     gc.collect()
@@ -205,8 +205,8 @@ def _storage_bytes(tensors) -> int:
 def profile_step(model_name: str, stage: int) -> dict:
     """Train two AdamW steps (the first compiles); of the second, count the collectives as they run and the bytes
     each kind of training state holds on this rank (gradients measured after backward, before the step)."""
-    from fxshard.measure import CollectiveCounter
-    from fxshard.prepare import spec_of
+    from fxshard.report.measure import CollectiveCounter
+    from fxshard.runtime.prepare import spec_of
 
     rank, world = rank_and_world()
     model = build_model(model_name)
@@ -240,7 +240,7 @@ def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int 
     """Gradient accumulation: each step runs ``micro_batches`` backward passes inside ``backend.no_sync`` on this
     rank's slices, beside a single process that sees each step's whole global batch at once. Returns the full
     parameters and the collectives of the last step."""
-    from fxshard.measure import CollectiveCounter
+    from fxshard.report.measure import CollectiveCounter
 
     rank, world = rank_and_world()
     model = build_model("gpt")
@@ -450,7 +450,7 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
     of ``mesh_shape`` (replicas, shards), with it); of the last, the ledger at this world size beside what was
     measured (collective bytes and calls by kind, bytes of each kind of state), optionally the step's peak."""
     from fxshard import budget
-    from fxshard.measure import CollectiveCounter
+    from fxshard.report.measure import CollectiveCounter
     from fxshard.passes.fx_utils import COLLECTIVE_ROLES
 
     rank, world = rank_and_world()
@@ -532,7 +532,7 @@ def resume_from_checkpoint(stage: int, steps_before: int = 2, steps_after: int =
     for _ in range(steps_before):
         next(data)
     train(resumed_opt, resumed_run, data, steps_after)
-    from fxshard.prepare import spec_of
+    from fxshard.runtime.prepare import spec_of
 
     return {"uninterrupted": uninterrupted, "resumed": full_state(resumed_model),
             "saved_exp_avg_elements": sum(s["exp_avg"].to_local().numel() for s in opt_state["state"].values()),
@@ -662,8 +662,8 @@ def peer_fault(fault: str, timeout_s: float) -> dict:
 
 def worker_threads_of_groups() -> dict:
     """Gloo worker threads of the user's group and of the group a prepared model's collectives name."""
-    from fxshard.groups import gloo_worker_threads
-    from fxshard.prepare import spec_of
+    from fxshard.runtime.groups import gloo_worker_threads
+    from fxshard.runtime.prepare import spec_of
 
     model = build_model("mlp")
     fxshard.backend(compiler="eager", stage=3).prepare(model)
@@ -719,7 +719,7 @@ def worker_threads_of_every_collective(stages=(2, 3)) -> dict:
     """Per stage, the gloo worker threads of the group of every collective fxshard ran in one training step of
     the MLP with prefetch: the compiled graphs' (``backend.graphs``) and the optimizer step's, and how many of each
     there were; and the user's group's threads."""
-    from fxshard.groups import gloo_worker_threads
+    from fxshard.runtime.groups import gloo_worker_threads
     from fxshard.passes.fx_utils import COLLECTIVE_ROLES
 
     rank, _ = rank_and_world()

@@ -1,4 +1,4 @@
-"""The knobs the backend chooses where the user left it a choice (fxshard.autotune): grouping and, under
+"""The knobs the backend chooses where the user left it a choice (fxshard.simulate.autotune): grouping and, under
 memory_budget, prefetch, by the simulator's predicted time within the ledger's memory."""
 
 import pytest
@@ -6,7 +6,7 @@ from expecttest import assert_expected_inline
 
 import fxshard
 import scenarios
-from fxshard.autotune import describe_choices
+from fxshard.simulate.autotune import describe_choices
 from fxshard.report import collectives
 from fxshard.simulate import GLOO_ON_CPU, Machine
 

@@ -10,7 +10,7 @@ import fxshard
 from examples.models import GPT, Block
 from expecttest import assert_expected_inline
 
-from fxshard.blocks import block_prefixes, repeated_blocks
+from fxshard.compiler.blocks import block_prefixes, repeated_blocks
 from fxshard.report import collectives
 from fxshard.testing import fake_process_group
 

@@ -5,7 +5,7 @@ import time
 
 import consistency_scenarios
 import scenarios
-from fxshard.consistency import ScheduledCollective, collective_schedule, first_difference
+from fxshard.compiler.consistency import ScheduledCollective, collective_schedule, first_difference
 from fxshard.testing import WorkerPool
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import scenarios
-from fxshard.groups import collective_group, gloo_worker_threads
+from fxshard.runtime.groups import collective_group, gloo_worker_threads
 from fxshard.testing import WorkerError, WorkerPool, rank_and_world
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

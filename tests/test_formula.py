@@ -11,7 +11,7 @@ import torch
 import fxshard
 from examples.models import GPT, GPTConfig
 from fxshard import budget
-from fxshard.formula import SumNames, describe, module_sums
+from fxshard.budget.formula import SumNames, describe, module_sums
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES
 from fxshard.report import ledger_rows
 from fxshard.testing import fake_process_group

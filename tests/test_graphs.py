@@ -7,7 +7,7 @@ import torch
 
 import fxshard
 from examples.models import GPT, MLP
-from fxshard.ops import REDUCE_GRAD, UNSHARD
+from fxshard.runtime.ops import REDUCE_GRAD, UNSHARD
 from fxshard.report import collectives
 from fxshard.testing import assert_graph_snapshot, fake_process_group
 

@@ -1,11 +1,11 @@
-"""fxshard.measure.CollectiveCounter: collectives by kind and size, split into steps by mark_step."""
+"""fxshard.report.measure.CollectiveCounter: collectives by kind and size, split into steps by mark_step."""
 
 import pytest
 import torch
 from torch.distributed._functional_collectives import all_gather_tensor, reduce_scatter_tensor
 
 import fxshard
-from fxshard.measure import CollectiveCounter
+from fxshard.report.measure import CollectiveCounter
 from fxshard.testing import fake_process_group
 
 

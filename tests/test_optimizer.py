@@ -7,8 +7,8 @@ import torch
 import fxshard
 import scenarios
 from examples.models import MLP
-from fxshard.prepare import MASTER_OF, spec_of, updating_optimizer
-from fxshard.sharding import shard_of
+from fxshard.runtime.prepare import MASTER_OF, spec_of, updating_optimizer
+from fxshard.runtime.sharding import shard_of
 from fxshard.testing import assert_graph_snapshot, fake_process_group, graph_summary
 from test_numerics import STEPS, assert_matches_reference
 
@@ -116,7 +116,7 @@ def test_load_state_dict_of_full_parameter_stages(stage):
 
 
 def test_step_buckets_pack_parameters_in_order_up_to_the_cap():
-    from fxshard.optim import sharded_step_of
+    from fxshard.runtime.optim import sharded_step_of
 
     with fake_process_group(2):
         shards = {}

@@ -8,10 +8,12 @@ import torch
 import fxshard
 import scenarios
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES
-from fxshard.simulate import (
-    Machine, _without_collectives, _zeros_for_placeholders, calibrate, collective_seconds, compute_nodes,
-    compute_seconds, fit_collective_overhead, fit_op_overhead, fit_ring, fit_step, fit_step_overhead, simulate,
+from fxshard.simulate import Machine, calibrate, simulate
+from fxshard.simulate.calibration import (
+    _without_collectives, _zeros_for_placeholders, fit_collective_overhead, fit_op_overhead, fit_ring, fit_step,
+    fit_step_overhead,
 )
+from fxshard.simulate.simulator import collective_seconds, compute_nodes, compute_seconds
 
 
 @pytest.fixture(scope="module")

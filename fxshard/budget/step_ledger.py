@@ -25,8 +25,8 @@ per trainable parameter (``Ψ`` is their sum), byte widths ``b_param`` (the copy
 input dimension they come from. A shard of ``ψ`` elements holds ``ceiling(ψ/N)`` (flat padded sharding);
 :meth:`Ledger.closed_form` assumes N divides every parameter and writes the sum as Ψ.
 
-Where each part lives: the symbols, ``Term`` and ``Ledger`` in fxshard/ledger.py; reading the graphs in
-fxshard/graph_terms.py; the optimizer's terms in fxshard/optimizer_terms.py; here, the step put together from them
+Where each part lives: the symbols, ``Term`` and ``Ledger`` in fxshard/budget/symbols.py; reading the graphs in
+fxshard/budget/graph_terms.py; the optimizer's terms in fxshard/budget/optimizer_terms.py; here, the step put together from them
 (``ledger``, ``ledger_of_graphs``) and one lowered graph's bytes (``graph_ledger``, what budget_pass checks).
 """
 
@@ -35,22 +35,30 @@ from __future__ import annotations
 import sympy
 from torch import fx
 
-from .errors import FxShardError
+from fxshard.errors import FxShardError
+from fxshard.passes.fx_utils import size_hint
+
 from .graph_terms import (
-    Param, Sizes, collective_terms, gradient_terms, input_index, live_peak, merge_sizes, parameters_of_joint,
+    Param,
+    Sizes,
+    collective_terms,
+    gradient_terms,
+    input_index,
+    live_peak,
+    merge_sizes,
+    parameters_of_joint,
     saved_activations,
 )
-from .ledger import (
-    B_GRAD, B_MASTER, B_PARAM, B_STATE, N, PSI, R, WIDTHS, ZERO_PAPER_WIDTHS, Ledger, Term, psi, shard, sizes_at,
+from .optimizer_terms import optimizer_terms, step_peaks
+from .symbols import (
+    B_MASTER,
+    B_PARAM,
+    WIDTHS,
+    Ledger,
+    Term,
+    shard,
+    sizes_at,
 )
-from .optimizer_terms import optimizer_bytes, optimizer_terms, step_peaks
-from .passes.fx_utils import size_hint
-
-# The ledger's symbols and the optimizer's bytes are public here too: one module to import for a budget.
-__all__ = [
-    "B_GRAD", "B_MASTER", "B_PARAM", "B_STATE", "N", "PSI", "R", "WIDTHS", "ZERO_PAPER_WIDTHS", "Ledger",
-    "graph_ledger", "ledger", "ledger_of_graphs", "optimizer_bytes", "psi", "step_records",
-]
 
 # -- the step: graphs + optimizer ---------------------------------------------------------------------------
 
@@ -79,7 +87,7 @@ def _rename(params: dict[int, Param], names: dict[tuple, str], optimizer) -> Non
             param.name = names.get((param.sites[0],), param.name)
     # no markers: name the graph's inputs after the specs, matched by shape
     if optimizer is not None and any(p.reads == "plain" for p in params.values()):
-        from .prepare import spec_of
+        from fxshard.runtime.prepare import spec_of
 
         specs = [spec_of(p) for g in optimizer.param_groups for p in g["params"]]
         for idx, param in list(params.items()):
@@ -111,7 +119,7 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
     Several Dynamo graphs (graph breaks) add their terms; a graph id without a backward (an inference graph)
     contributes only its collectives to the schedule. A compiled ``optimizer.step`` contributes the collectives of
     its graph (of the latest compile, where it was recompiled) in place of the eager step's per-parameter gathers."""
-    from .prepare import updating_optimizer
+    from fxshard.runtime.prepare import updating_optimizer
 
     optimizer = None if optimizer is None else updating_optimizer(optimizer)
     names = _names_from_model(model)
@@ -189,7 +197,7 @@ def graph_ledger(gm: fx.GraphModule, graph: str, world_size: int, optimizer_byte
 
 def ledger(backend) -> Ledger:
     """The ledger of a backend's compiled step (``backend.prepare`` and one forward/backward run first)."""
-    from .prepare import sharded_world_size
+    from fxshard.runtime.prepare import sharded_world_size
 
     if backend.model is None:
         raise FxShardError("the backend has no prepared model: call `model, opt = backend.prepare(model, opt)` and "

@@ -1,6 +1,6 @@
 """Reading the rewritten graphs for the ledger: which inputs are parameters (and how the graph reads them),
 the collectives' buffers, the gathered and reduce buffers alive at once in graph order, the activations forward
-saves and the gradients backward leaves, each as ``fxshard.ledger.Term``s (see fxshard/budget.py)."""
+saves and the gradients backward leaves, each as ``fxshard.budget.symbols.Term``s (see fxshard/budget/step_ledger.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import sympy
 import torch
 from torch import fx
 
-from .ledger import B_GRAD, B_PARAM, N, R, Term, psi, shard, sizes_at
-from .passes.fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
+
+from .symbols import B_GRAD, B_PARAM, N, R, Term, psi, shard, sizes_at
 
 # Names of a model input's leading dimensions when the graph has symbolic sizes (``torch.compile(dynamic=True)``).
 SIZE_NAMES = ("batch", "seq")
@@ -46,9 +47,8 @@ def parameters_of_joint(joint: fx.GraphModule, names: dict[tuple, str] | None = 
     """{graph input index of each trainable leaf: Param}, from the joint graph's markers (before any pass).
 
     ``names`` optionally renames a parameter from (first use-site fqn,) to the name ``prepare`` gave it."""
-    from fxshard.ops import UNSHARD
-
     from fxshard.passes.fx_utils import marker_args
+    from fxshard.runtime.ops import UNSHARD
 
     found: dict[int, Param] = {}
     for node in joint.graph.find_nodes(op="call_function", target=UNSHARD):

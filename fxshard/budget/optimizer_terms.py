@@ -1,6 +1,6 @@
 """The ledger's optimizer terms: the state each elementwise optimizer keeps per element, the master copies and
 state the prepared optimizer holds, its step's eager collectives and their worst points, and the bytes it keeps
-outside every graph (see fxshard/budget.py)."""
+outside every graph (see fxshard/budget/step_ledger.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import dataclasses
 import sympy
 import torch
 
-from .errors import FxShardError
+from fxshard.errors import FxShardError
+
 from .graph_terms import Param, Sizes, width_of
-from .ledger import B_GRAD, B_MASTER, B_PARAM, B_STATE, N, R, Term, psi, shard
+from .symbols import B_GRAD, B_MASTER, B_PARAM, B_STATE, N, R, Term, psi, shard
+
 
 # What each elementwise optimizer keeps per element of what it updates (0-dim "step" counters are not counted).
 def optimizer_state_kinds(name: str, group: dict) -> tuple[str, ...]:
@@ -38,8 +40,8 @@ def optimizer_terms(optimizer, params: list[Param], sizes: Sizes,
     its ``ShardedStep``; none for what a compiled step graph gathers: ``published`` names those parameters), the
     compute copies mixed precision would add where the graph reads the master itself, and the step's schedule
     rows."""
-    from .optim import sharded_step_of
-    from .prepare import spec_of
+    from fxshard.runtime.optim import sharded_step_of
+    from fxshard.runtime.prepare import spec_of
 
     by_name = {p.name: p for p in params}
 
@@ -109,7 +111,7 @@ def optimizer_bytes(optimizer, model) -> int:
     """Bytes per rank the optimizer keeps that no graph of the model takes as input: its state for every element
     it updates (the state kinds of ``optimizer_state_kinds``, allocated at the first step), and the tensors it
     updates that are not the model's parameters (stage 1's master shards)."""
-    from .prepare import updating_optimizer
+    from fxshard.runtime.prepare import updating_optimizer
 
     model_leaves = {id(p) for p in model.parameters()}
     total = 0

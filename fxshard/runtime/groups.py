@@ -26,7 +26,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from .errors import FxShardError
+from fxshard.errors import FxShardError
 
 ONE_THREAD_GLOO = "fxshard_gloo"  # the name the one-worker-thread gloo backend is registered under
 

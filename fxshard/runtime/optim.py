@@ -23,14 +23,24 @@ from torch._dynamo.source import ConstantSource
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import checkpoint
-from .errors import FxShardError
+from fxshard.errors import FxShardError
+from fxshard.passes.fx_utils import unit_of
+
+from . import optimizer_state_dict
 from .groups import peer_failures_explained
 from .ops import cast_to, flat_padded, reduce_scatter_mean
-from .passes.fx_utils import unit_of
 from .prepare import (
-    FULL_COPY_OF, GRAD_SYNC_OF, MASTER_OF, MASTER_STEP, REPLACED_BY_SHARD, SPEC_OF, GradSync, gather_full,
-    replace_updated_state, spec_of, updating_optimizer,
+    FULL_COPY_OF,
+    GRAD_SYNC_OF,
+    MASTER_OF,
+    MASTER_STEP,
+    REPLACED_BY_SHARD,
+    SPEC_OF,
+    GradSync,
+    gather_full,
+    replace_updated_state,
+    spec_of,
+    updating_optimizer,
 )
 from .sharding import ShardSpec, pack_greedily, shard_of, unpad
 
@@ -102,9 +112,9 @@ def shard_optimizer_over(
     setattr(returned, _SHARDED_STEP, step)
     returned.add_param_group = functools.partial(_refuse_new_param_group, stage)  # its own, over the class's
     # state_dict(): shards as DTensors of the parameters' full shapes; load_state_dict(): back to this rank's shards
-    returned.register_state_dict_pre_hook(checkpoint.optimizer_state_dict_pre_hook)
-    returned.register_state_dict_post_hook(checkpoint.optimizer_state_dict_post_hook)
-    returned.register_load_state_dict_pre_hook(checkpoint.optimizer_load_state_dict_pre_hook)
+    returned.register_state_dict_pre_hook(optimizer_state_dict.optimizer_state_dict_pre_hook)
+    returned.register_state_dict_post_hook(optimizer_state_dict.optimizer_state_dict_post_hook)
+    returned.register_load_state_dict_pre_hook(optimizer_state_dict.optimizer_load_state_dict_pre_hook)
     if stage == 1:
         MasterStep(returned, sharded)
     return returned

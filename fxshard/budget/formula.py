@@ -21,7 +21,7 @@ import collections
 
 import sympy
 
-from .ledger import PSI, psi
+from .symbols import PSI, psi
 
 SUBSCRIPTS = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
 

@@ -24,7 +24,7 @@ import math
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .errors import FxShardError
+from fxshard.errors import FxShardError
 
 _KINDS = {
     "_c10d_functional::all_gather_into_tensor": "all_gather",

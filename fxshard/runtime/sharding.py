@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .errors import FxShardError
+from fxshard.errors import FxShardError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The ledger's algebra: the symbols (ranks, element counts, byte widths), one ``Term`` per line of the ledger,
 the ``Ledger`` that sums and evaluates them, and the closed forms a person reads. Nothing here reads a graph;
-fxshard/budget.py explains where each term comes from."""
+fxshard/budget/step_ledger.py explains where each term comes from."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 
 import sympy
 
-from .errors import FxShardError
+from fxshard.errors import FxShardError
 
 N = sympy.Symbol("N", positive=True, integer=True)
 R = sympy.Symbol("R", positive=True, integer=True)

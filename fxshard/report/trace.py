@@ -12,7 +12,7 @@ pipeline, ``trace_pass`` writes
   at INFO a line per pass counting what the graph holds by role and unit, at DEBUG (``TORCH_LOGS="+fxshard"``)
   the graph's code too.
 
-Where ``fxshard.autotune`` chose a graph's knobs, ``trace_choice`` adds the artifact ``fxshard_<kind>_choice`` (JSON:
+Where ``fxshard.simulate.autotune`` chose a graph's knobs, ``trace_choice`` adds the artifact ``fxshard_<kind>_choice`` (JSON:
 every candidate's knobs, predicted time and bytes, and the one chosen) and an INFO line.
 
 Nothing is computed unless a trace handler or the log level asks for it.
@@ -68,7 +68,7 @@ def trace_pass(kind: str, graph_id: int, index: int, pass_name: str, gm: fx.Grap
 
 
 def trace_choice(kind: str, graph_id: int, choice: dict) -> None:
-    """Record the knobs ``fxshard.autotune`` chose for graph ``graph_id`` of ``kind``, with every candidate."""
+    """Record the knobs ``fxshard.simulate.autotune`` chose for graph ``graph_id`` of ``kind``, with every candidate."""
     tracing, logging_info = bool(trace_log.handlers), log.isEnabledFor(logging.INFO)
     if tracing:
         trace_structured("artifact", metadata_fn=lambda: {"name": f"fxshard_{kind}_choice", "encoding": "json"},

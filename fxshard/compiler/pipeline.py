@@ -10,8 +10,7 @@ from collections.abc import Callable, Sequence
 from torch import fx
 
 from fxshard.passes import PassContext
-
-from .trace import trace_pass
+from fxshard.report.trace import trace_pass
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
@@ -47,7 +46,7 @@ def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], record: GraphRecord) -> fx.GraphModule:
     """Run ``passes`` over ``gm`` in order, recording each pass's graphs in ``record`` and in torch's logs
-    (``fxshard.trace``)."""
+    (``fxshard.report.trace``)."""
     trace_pass(record.kind, record.graph_id, 0, "input", gm)
     before = copy_graph(gm)
     for index, pass_fn in enumerate(passes, start=1):

@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from .errors import FxShardError
-from .passes.fx_utils import COLLECTIVE_ROLES, marker_args, replica_ranks
+from fxshard.errors import FxShardError
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES, marker_args, replica_ranks
 
 GRAPH_KINDS = ("forward", "backward", "inference")
 KEY_PREFIX = "fxshard/schedule"  # keys in the process group's store: <prefix>/<group>/<check index>/<rank>

@@ -9,10 +9,10 @@ import json
 import sympy
 from tabulate import tabulate
 
-from . import budget
-from .errors import FxShardError
-from .formula import SumNames, describe
-from .passes.fx_utils import COLLECTIVE_ROLES
+from fxshard import budget
+from fxshard.budget.formula import SumNames, describe
+from fxshard.errors import FxShardError
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES
 
 FORMATS = ("text", "json")
 REPORT_WIDTH = 120  # characters a line of the text report takes at most, where its columns allow

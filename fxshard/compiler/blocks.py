@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from .errors import FxShardError
+from fxshard.errors import FxShardError
 
 ROOT = ""  # the model itself as a block: it holds what no inner block does
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)

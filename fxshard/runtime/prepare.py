@@ -28,10 +28,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .errors import FxShardError
+from fxshard.errors import FxShardError
+from fxshard.passes.context import COLLECTIVE_TIMEOUT_S
+
 from .groups import collective_group
+from .layout import full_from_value, gather_full, rows_of_full, shard_from_value, sharded_value
 from .ops import unshard
-from .passes.context import COLLECTIVE_TIMEOUT_S
 from .sharding import ShardSpec, shard_of
 
 _SPECS = "_fxshard_specs"  # module attribute: {parameter attribute name: ShardSpec}
@@ -61,7 +63,7 @@ FULL_COPY_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 REPLACED_BY_SHARD: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stages 2, 3: parameter prepare replaced -> its shard leaf
 GRAD_SYNC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-0 parameter -> its model's GradSync
 # stage 1: the attribute of the optimizer prepare returned (over the model's parameters) holding its
-# fxshard.optim.MasterStep (an attribute, not a weak-keyed registry: the MasterStep refers to the optimizer)
+# fxshard.runtime.optim.MasterStep (an attribute, not a weak-keyed registry: the MasterStep refers to the optimizer)
 MASTER_STEP = "_fxshard_master_step"
 
 
@@ -122,28 +124,20 @@ def _accessor_class(cls: type, names: tuple[str, ...]) -> type:
     return type(f"FxShard{cls.__name__}", (cls,), {**accessors, "__module__": cls.__module__})
 
 
-def gather_full(shard: torch.Tensor, spec: ShardSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The full-shape value of a flat shard (a collective: every rank of the group must call it), in ``dtype``
-    (cast before the gather, so it moves ``dtype`` bytes) or the shard's own."""
-    return unshard(shard.detach(), None, list(spec.full_shape), spec.world_size, spec.group_name, spec.name,
-                   "reduce_scatter", dtype)
-
 
 def _saved_value(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """What ``state_dict()`` holds for a parameter, in the dtype it trains in (the fp32 master under mixed
     precision): the parameter itself where every rank holds it in full (stage 0; stage 1 without mixed precision),
-    else a DTensor of its full shape holding this rank's rows (``fxshard.checkpoint``: the layout DCP and FSDP2
-    reshard)."""
-    from . import checkpoint  # builds on this module
-
+    else a DTensor of its full shape holding this rank's rows (``fxshard.runtime.layout``: the layout DCP and
+    FSDP2 reshard)."""
     full_copy = FULL_COPY_OF.get(param)
     if full_copy is not None and full_copy.dtype == param.dtype:  # stage 2's resident copy holds exactly this
-        return checkpoint.rows_of_full(full_copy, spec)
+        return rows_of_full(full_copy, spec)
     if spec.trains_shard:
-        return checkpoint.sharded_value(param, spec)
+        return sharded_value(param, spec)
     master = MASTER_OF.get(param)
     if master is not None and master.dtype != param.dtype:  # stage 1 computes in a lower precision than it trains
-        return checkpoint.sharded_value(master, spec)
+        return sharded_value(master, spec)
     return param.detach()
 
 
@@ -158,8 +152,6 @@ def _state_dict_values(module, state_dict, prefix, local_metadata):
 def _load_state_dict_shard(module, state_dict, prefix, *args):
     """Each value (a full tensor, or a DTensor of any layout) becomes what this rank keeps: its shard of the leaf
     (stages 2, 3), the full parameter and its master shard (stage 1), the full parameter (stage 0)."""
-    from . import checkpoint  # builds on this module
-
     for name, spec in getattr(module, _SPECS).items():
         key = prefix + name
         if key not in state_dict:
@@ -167,14 +159,14 @@ def _load_state_dict_shard(module, state_dict, prefix, *args):
         value, param = state_dict[key], module._parameters[name]
         with torch.no_grad():
             if spec.trains_shard:
-                shard = checkpoint.shard_from_value(value, spec, param.dtype, key)
+                shard = shard_from_value(value, spec, param.dtype, key)
                 resident = module._buffers.get(_RESIDENT + name)
                 if resident is not None:  # a full tensor is copied as it is; a DTensor's rows are gathered
                     full = value if not isinstance(value, DTensor) else gather_full(shard, spec, resident.dtype)
                     resident.copy_(full)
                 state_dict[key] = shard
                 continue
-            full = checkpoint.full_from_value(value, spec, key)
+            full = full_from_value(value, spec, key)
             master = MASTER_OF.get(param)
             if master is not None:  # stage 1: the master takes the full precision, the parameter a cast copy
                 master.copy_(shard_of(full, spec))

@@ -4,7 +4,7 @@ fastest, among those whose memory fits ``memory_budget``.
 Two knobs leave a choice:
 
 - ``bucket="auto"`` (the default of stages 1-3) on a model with repeated blocks: one collective per block and one
-  for the rest (FSDP2's grouping, ``fxshard.blocks``), or one per layer (less memory held at once, more
+  for the rest (FSDP2's grouping, ``fxshard.compiler.blocks``), or one per layer (less memory held at once, more
   collectives);
 - ``memory_budget``: ``prefetch`` and ``max_inflight_gathers`` become the most a schedule may use: the given pair
   and every less eager one down to no prefetch are candidates, under each grouping.
@@ -15,7 +15,7 @@ on a copy of the graph per candidate, predicts the graph's time on a ``fxshard.s
 and its memory (``fxshard.budget.graph_ledger``: inputs, peak, what the optimizer keeps), and compiles with the
 fastest candidate that fits: on a tie the one listed first (the knobs as given); where none fits, the one that needs
 least, which ``budget_pass`` then refuses with its ledger. Every rank chooses alike: the graphs are the same on every
-rank (``fxshard.consistency`` checks it) and the machine's figures are constants or calibrated over the group.
+rank (``fxshard.compiler.consistency`` checks it) and the machine's figures are constants or calibrated over the group.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from collections.abc import Sequence
 
 from torch import fx
 
-from .budget import graph_ledger
-from .passes import PassContext
-from .pipeline import Pass, trial_run
-from .simulate import Machine, simulate_graph
+from fxshard.budget.step_ledger import graph_ledger
+from fxshard.compiler.pipeline import Pass, trial_run
+from fxshard.passes import PassContext
+
+from .simulator import Machine, simulate_graph
 
 CHOSEN_GRAPHS = ("forward", "backward", "inference")
 

@@ -1,0 +1,389 @@
+"""``Backend``: the object a user prepares a model with and hands to ``torch.compile``."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import fx, nn
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fxshard import passes as P
+from fxshard.budget.optimizer_terms import optimizer_bytes
+from fxshard.errors import FxShardError
+from fxshard.passes import PassContext
+from fxshard.passes.context import COLLECTIVE_TIMEOUT_S, DDP_BUCKET_BYTES, default_bucket
+from fxshard.report.trace import trace_choice
+from fxshard.runtime.groups import explaining_peer_failures, scatters_by_all_to_all
+from fxshard.runtime.optim import (
+    annotate_optimizer_graph,
+    clip_grad_norm_,
+    full_state_dict,
+    load_full_state_dict,
+    mark_published,
+    shard_optimizer_over,
+)
+from fxshard.runtime.prepare import grad_sync_of, shard_parameters, sharded_world_size, spec_of, updating_optimizer
+from fxshard.simulate import autotune
+from fxshard.simulate.simulator import Machine, default_machine
+
+from .blocks import block_prefixes, describe_grouping, repeated_blocks
+from .consistency import check_same_schedule, prepare_check_group
+from .inductor import InductorCompiler
+from .options import COMPILERS, DEFAULT_COMPILER, STAGES, check_mesh, checked_knobs, mesh_groups
+from .pipeline import GraphRecord, Pass, run_passes
+
+# Every tensor a backend's prepare laid out (trainable leaves, the optimizer's shards) -> that backend, weakly;
+# the prepared model keeps its backend alive (an attribute), so the entry lives as long as the model does.
+PREPARED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_BACKEND = "_fxshard_backend"  # model attribute: a _KeepAlive of the Backend that prepared it
+# The backend the registered backend last sent a graph of a prepared model to (weakly): it also compiles a graph
+# that reads no prepared tensor, such as the rest of a forward after a graph break, as backend=backend would.
+class _KeepAlive:
+    """Holds a prepared model's Backend for as long as the model lives. A copy of the model shares it rather than
+    copying the backend (its graphs, optimizer and process group): the copy's parameters are new tensors that no
+    backend prepared, so it cannot be compiled anyway."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def default_passes() -> list[Pass]:
+    """The pipeline every backend runs unless given ``passes=``; copy it, add or drop passes. It is the same for
+    every stage: each pass acts on what the markers' arguments say (the layout ``prepare`` chose), not on the stage.
+
+    ``shard_optimizer_pass`` acts only on a compiled ``optimizer.step`` (stages 1, 2: gather what it updated);
+    ``bucket_pass`` names each marker's collective (the ``bucket``/``blocks`` knobs) right before the lowering;
+    ``prefetch_pass`` reorders the lowered graph (``prefetch``, ``max_inflight_gathers``) or runs ``schedule``;
+    ``budget_pass`` records each graph's memory ledger and enforces ``memory_budget``.
+    """
+    return [P.shard_optimizer_pass, P.recompute_gathers_pass, P.merge_tied_grads_pass, P.bucket_pass,
+            P.lower_collectives_pass, P.prefetch_pass, P.budget_pass]
+
+
+class Backend:
+    """A Dynamo backend that compiles a prepared model's step with ZeRO collectives inserted by FX passes.
+
+    Use one backend per model: ``prepare`` shards the model over ``group`` (default: the world group), and every
+    graph Dynamo hands it is run through AOT autograd and the pass pipeline. ``graphs`` keeps each rewritten graph
+    with its pass-by-pass history; ``report()`` summarises the collectives.
+
+    Options: ``group`` (default: the world group) or ``mesh`` (a DeviceMesh: 1-D, the same as its group; 2-D with
+    dimensions named ``"replicate"`` and ``"shard"``, hybrid sharding: stages 1-3 shard over the "shard" groups and
+    average each shard's gradient over the "replicate" groups, stage 0 all-reduces over every rank of the mesh),
+    ``passes`` (default: ``default_passes()``), ``compiler``
+    (``"inductor"``, the default, compiles the rewritten graphs, as ``torch.compile``'s default backend would;
+    ``"eager"`` runs them op by op, as printed), ``machine`` (a ``fxshard.simulate.Machine``, e.g. from
+    ``fxshard.simulate.calibrate(group)``: what ``fxshard.simulate.autotune`` predicts on where the knobs leave a choice;
+    default ``fxshard.simulate.default_machine`` of the graphs' device), and the knobs every pass
+    reads, documented on ``fxshard.passes.PassContext``: ``reshard_after_forward``, ``bucket``, ``blocks``,
+    ``prefetch``, ``max_inflight_gathers``, ``schedule``, ``memory_budget``, ``param_dtype``, ``reduce_dtype``,
+    ``step_bucket_bytes``, ``collective_timeout_s``. An
+    unknown option or a value of the wrong kind raises FxShardError.
+    """
+
+    def __init__(
+        self,
+        stage: int = 3,
+        *,
+        group=None,
+        mesh=None,
+        passes: Sequence[Pass] | None = None,
+        compiler: str = DEFAULT_COMPILER,
+        machine: Machine | None = None,
+        **knobs,
+    ):
+        if isinstance(stage, bool) or stage not in STAGES:
+            raise FxShardError(f"stage must be one of 0, 1, 2, 3 (ZeRO stage), got {stage!r}")
+        if compiler not in COMPILERS:
+            raise FxShardError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        if mesh is not None:
+            check_mesh(mesh, group)
+        if machine is not None and not isinstance(machine, Machine):
+            raise FxShardError(f"machine must be a fxshard.simulate.Machine (e.g. fxshard.simulate.calibrate(group)) "
+                               f"or None, got {type(machine).__name__}")
+        self.stage = stage
+        self.machine = machine
+        self.group, self.mesh = group, mesh
+        self.knobs = {"bucket": default_bucket(stage), **checked_knobs(knobs)}
+        self.passes = list(default_passes() if passes is None else passes)
+        self.compiler = compiler
+        self.model: nn.Module | None = None  # what prepare laid out, for the report and the budget
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.graphs: list[GraphRecord] = []
+        self._graph_ids = itertools.count()
+        self._check_group_name = ""  # the group the consistency check compares over, set by prepare
+
+    # -- preparing ----------------------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        """Shard ``model``'s parameters over the group in place; returns ``(model, optimizer over the shards)``."""
+        if not isinstance(model, nn.Module):
+            raise FxShardError(f"prepare takes an nn.Module, got {type(model).__name__}")
+        _refuse_meta_tensors(model)
+        groups = (self.group, None, None) if self.mesh is None else mesh_groups(self.mesh, self.stage)
+        leaves, grad_sync = shard_parameters(model, self.stage, groups[0], self.knobs.get("param_dtype"),
+                                             self.knobs.get("reduce_dtype"),
+                                             self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S),
+                                             *groups[1:])
+        self.model = model
+        step_bucket_bytes = self.knobs.get("step_bucket_bytes", DDP_BUCKET_BYTES)
+        self.optimizer = (None if optimizer is None
+                          else shard_optimizer_over(optimizer, leaves, grad_sync, step_bucket_bytes))
+        updated = [] if self.optimizer is None else updating_optimizer(self.optimizer).param_groups
+        laid_out = [*leaves.values(), *(t for g in updated for t in g["params"])]
+        for tensor in laid_out:
+            PREPARED_BY[tensor] = weakref.ref(self)
+        model.__dict__[_BACKEND] = _KeepAlive(self)
+        # the consistency check compares over the ranks of this group (on a hybrid mesh over all of it: ranks of
+        # different shard groups meet in the replicas' all-reduce)
+        spec = next((spec_of(t) for t in laid_out if spec_of(t) is not None), None)
+        self._check_group_name = "" if spec is None else spec.all_ranks_group_name
+        prepare_check_group(self._check_group_name, self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
+        return model, self.optimizer
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the prepared optimizer's gradients by the norm of the whole model's averaged gradient, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns that norm. Every rank must call it, between
+        backward and ``optimizer.step()``. (torch's own function would see only this rank's shards in stages 1-3,
+        or gradients not yet averaged in stage 1 and under ``no_sync``.)"""
+        return clip_grad_norm_(self._prepared_optimizer("clip_grad_norm_"), max_norm, norm_type)
+
+    def full_optimizer_state_dict(self) -> dict:
+        """The prepared optimizer's state in full shapes, keyed by parameter name, as one process would hold it
+        (a collective: every rank must call it). Save it to resume at another world size or stage."""
+        return full_state_dict(self._prepared_optimizer("full_optimizer_state_dict"))
+
+    def load_full_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Load a ``full_optimizer_state_dict()`` saved at any world size and stage into the prepared optimizer."""
+        load_full_state_dict(self._prepared_optimizer("load_full_optimizer_state_dict"), state_dict)
+
+    def _prepared_optimizer(self, purpose: str) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise FxShardError(f"{purpose} needs the optimizer: call backend.prepare(model, optimizer) first")
+        return self.optimizer
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module):
+        """Gradient accumulation: run the micro-batches of one optimizer step inside this context.
+
+        Stage 0 keeps gradients local inside it (backward compiles a second graph without the all-reduce) and
+        ``optimizer.step()`` all-reduces the accumulated gradients once. Stage 1 always communicates once per step,
+        at ``optimizer.step()``; stages 2 and 3 reduce-scatter every micro-batch into the accumulating gradient
+        shard (their gradients are never kept full), so for them this context changes nothing.
+        """
+        grad_sync = grad_sync_of(model)
+        if self.stage != 0:
+            yield
+            return
+        grad_sync.enabled = False
+        try:
+            yield
+        finally:
+            grad_sync.enabled = True
+            grad_sync.local_grads_pending = True
+
+    # -- compiling ----------------------------------------------------------------------------------------------
+    def __call__(self, gm: fx.GraphModule, example_inputs, **_):
+        specs = self._check_inputs(gm, example_inputs)
+        if not specs and self.model is not None:  # an optimizer step reads its shards as attributes, not inputs
+            specs = [spec_of(p) for p in self.model.parameters()]
+        first = next(iter(specs), None)
+        context = PassContext(
+            stage=self.stage,
+            graph="joint",
+            world_size=first.world_size if first else 1,
+            group_name=first.group_name if first else "",
+            optimizer_bytes=0 if self.optimizer is None else optimizer_bytes(self.optimizer, self.model),
+            reduce_scatter_by_all_to_all=first is not None and scatters_by_all_to_all(first.group_name),
+            **self.knobs,
+        )
+        context = dataclasses.replace(context, blocks=self._block_names())
+        graph_id = next(self._graph_ids)
+        published = annotate_optimizer_graph(gm, example_inputs)
+        if gm.meta["fxshard_optimizer"]:  # a compiled optimizer.step: rewritten before AOT sees it
+            gm = self._run(context, graph_id, "optimizer", gm)
+        inductor = InductorCompiler(gm, example_inputs) if self.compiler == "inductor" else None
+        compile_graph = functools.partial(self._compile_graph, context, graph_id, inductor)
+        compiled = aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=functools.partial(compile_graph, "forward"),
+            bw_compiler=functools.partial(compile_graph, "backward"),
+            inference_compiler=functools.partial(compile_graph, "inference"),
+            partition_fn=functools.partial(self._partition, context, graph_id),
+            # Inductor lowers the decomposed ATen op set; without its table AOT keeps ops that Inductor both
+            # decomposes and has a fallback for, and Inductor rejects the graph (aten.t.default).
+            **({"decompositions": inductor.decompositions} if inductor else {}),
+        )
+        if not published:
+            return compiled
+
+        @functools.wraps(compiled)
+        def step_that_publishes(*args):
+            outputs = compiled(*args)
+            mark_published(published)
+            return outputs
+
+        return step_that_publishes
+
+    def _block_names(self) -> tuple[str, ...]:
+        """The ``blocks`` the passes see: module names (passes never see modules), found in the model for
+        ``bucket="auto"``, resolved from the user's names and classes for ``bucket="block"``."""
+        if self.knobs["bucket"] == "auto":
+            return repeated_blocks(self.model) if self.model is not None else ()
+        return block_prefixes(self.model, self.knobs["blocks"]) if self.knobs.get("blocks") else ()
+
+    def _check_inputs(self, gm: fx.GraphModule, example_inputs) -> list:
+        specs = []
+        for placeholder, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+            if not isinstance(value, nn.Parameter):
+                continue
+            spec = spec_of(value)
+            if spec is None:
+                grapharg = placeholder.meta.get("grapharg")
+                where = grapharg.source.name if grapharg is not None else placeholder.name
+                raise FxShardError(
+                    f"the compiled code reads a parameter that fxshard did not shard ({where}, shape "
+                    f"{list(value.shape)}): "
+                    "call `model, opt = backend.prepare(model, opt)` before torch.compile, and do not add or "
+                    "replace parameters after prepare"
+                )
+            specs.append(spec)
+        # One backend prepares and compiles: its stage, group and knobs are the ones the shards were laid out for,
+        # and its graphs and report() are the model's. (A compiled optimizer step reads its shards as attributes.)
+        for tensor in _prepared_tensors(gm, example_inputs):
+            preparer = prepared_by(tensor)
+            if preparer is not self:
+                raise FxShardError(
+                    f"{spec_of(tensor).name} was prepared by {_describe(preparer)} but is compiled with "
+                    f"{_describe(self)}; compile with the backend that prepared the model "
+                    '(torch.compile(model, backend=backend), or backend="fxshard", which finds it): another backend '
+                    "would compile it with its own settings and leave the preparing backend's graphs and report() empty"
+                )
+        return specs
+
+    def _run(self, context: PassContext, graph_id: int, kind: str, gm: fx.GraphModule,
+             machine: Machine | None = None) -> fx.GraphModule:
+        """The pass pipeline over ``gm``, under the knobs ``fxshard.simulate.autotune`` chooses on ``machine`` where the
+        user left a choice (a lowered graph's grouping, prefetch under ``memory_budget``)."""
+        context = dataclasses.replace(context, graph=kind)
+        choice = None
+        if machine is not None:
+            context, choice = autotune.choose(gm, context, self.passes, machine)
+        record = GraphRecord(kind, graph_id)
+        self.graphs.append(record)
+        gm = run_passes(gm, context, self.passes, record)
+        if choice is not None:
+            gm.meta["fxshard_choice"] = choice
+            trace_choice(kind, graph_id, choice)
+        return gm
+
+    def _partition(self, context, graph_id, joint: fx.GraphModule, joint_inputs, **kwargs):
+        joint = self._run(context, graph_id, "joint", joint)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def _compile_graph(self, context, graph_id, inductor: InductorCompiler | None, kind, gm: fx.GraphModule, example_inputs):
+        machine = self.machine or default_machine(_device_type(example_inputs))
+        gm = self._run(context, graph_id, kind, gm, machine)
+        compiled = inductor.compile(kind, gm, example_inputs) if inductor else make_boxed_func(gm.forward)
+        # Before the graph first runs, every rank must have compiled the same collectives (fxshard.compiler.consistency).
+        check_same_schedule(gm, kind, graph_id, self._check_group_name or context.group_name)
+        return explaining_peer_failures(compiled, f"the {kind} graph")
+
+    # -- reporting ----------------------------------------------------------------------------------------------
+    def report(self, format: str = "text", measured=None) -> str:
+        """The step's ledger (``fxshard.budget``) as a table per rewritten step: closed form, bytes at this run,
+        the measured bytes where ``measured`` (a ``fxshard.report.measure.CollectiveCounter`` around one step, or
+        around several with ``mark_step()`` after each: the last one counts) gives them,
+        and the collective schedule; ``format="json"`` for tools. Before a forward and backward ran, or without an
+        optimizer, only the collectives of the graphs compiled so far."""
+        from fxshard import budget
+        from fxshard.report.tables import collective_report, ledger_report
+
+        grouping = describe_grouping(self.knobs["bucket"], self._block_names())
+        if self.model is None or self.optimizer is None or not any(r.kind == "backward" for r in self.graphs):
+            text = f"{grouping}\n{collective_report(self.graphs)}"
+        else:
+            text = ledger_report(budget.ledger(self), format=format, measured=measured,
+                                 title=f"fxshard stage {self.stage}, {grouping}")
+            if format == "json":
+                return text
+        choices = autotune.describe_choices(self.graphs)
+        return f"{text}\n\n{choices}" if choices else text
+
+    def trace(self, path, world: int | None = None, machine=None):
+        """Write the simulated step (``fxshard.simulate``) of the graphs compiled so far as a Chrome trace-event
+        JSON to ``path``, to open in Perfetto: a compute and a communication lane, an event per node, each with its
+        unit (``fxshard.report.chrome_trace``). ``world``: the ranks to predict for (default: those the parameters are
+        sharded over; on a hybrid mesh its shard dimension);
+        ``machine``: a ``fxshard.simulate.Machine`` (e.g. from ``calibrate``). Returns the ``Timeline``."""
+        import torch.distributed as dist
+
+        from fxshard.report.chrome_trace import write_chrome_trace
+        from fxshard.simulate.simulator import simulate
+
+        sharded_over = sharded_world_size(self.model) if self.model is not None else None
+        timeline = simulate(self, world or sharded_over or dist.get_world_size(self.group), machine=machine)
+        write_chrome_trace(timeline, path)
+        return timeline
+
+
+def backend_of(model: nn.Module) -> Backend:
+    """The Backend that prepared ``model`` (the module ``prepare`` returned, or its ``torch.compile`` wrapper)."""
+    kept = getattr(model, "_orig_mod", model).__dict__.get(_BACKEND)
+    if kept is None:
+        raise FxShardError(f"this {type(model).__name__} was not prepared by fxshard; call "
+                           "backend.prepare(model, optimizer) first")
+    return kept.backend
+
+
+def _refuse_meta_tensors(model: nn.Module) -> None:
+    """A parameter or buffer on the meta device has no values to broadcast or shard: refuse it at prepare, not
+    deep inside Dynamo at the first compile."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if tensor.is_meta:
+                raise FxShardError(
+                    f"{kind} {name} (shape {list(tensor.shape)}) is on the meta device: it has no values to "
+                    "broadcast and shard. Materialise the model before backend.prepare: "
+                    "model.to_empty(device=...) then initialise it (reset_parameters(), your init function, or "
+                    "load_state_dict)"
+                )
+
+
+def _prepared_tensors(gm: fx.GraphModule, example_inputs) -> list[torch.Tensor]:
+    """The tensors a Dynamo graph reads that a backend's prepare laid out: parameter inputs, and the shards a compiled
+    optimizer step reads as attributes of the graph."""
+    candidates = [*(v for v in example_inputs if isinstance(v, nn.Parameter)), *gm.parameters()]
+    return [t for t in candidates if spec_of(t) is not None]
+
+
+def _device_type(example_inputs) -> str:
+    """``"cuda"`` when a graph takes a CUDA tensor, else ``"cpu"``: which default machine predicts its choices."""
+    return "cuda" if any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs) else "cpu"
+
+
+def prepared_by(tensor: torch.Tensor) -> Backend | None:
+    """The Backend whose ``prepare`` laid ``tensor`` out, if it is one of its leaves or optimizer shards."""
+    ref = PREPARED_BY.get(tensor)
+    return None if ref is None else ref()
+
+
+def _describe(backend: Backend | None) -> str:
+    if backend is None:
+        return "another fxshard backend"
+    defaults = {f.name: f.default for f in dataclasses.fields(PassContext)}
+    changed = [f"{k}={v!r}" for k, v in backend.knobs.items() if k != "bucket" and v != defaults.get(k)]
+    options = ", ".join([f"stage={backend.stage}", *([f"compiler={backend.compiler!r}"]
+                                                     if backend.compiler != DEFAULT_COMPILER else []), *changed])
+    return f"fxshard.backend({options}) at {id(backend):#x}"

@@ -1,0 +1,86 @@
+"""The backend's options, checked before anything is prepared or compiled: the stage, the compiler, the mesh, and
+the knobs every pass reads (``fxshard.passes.PassContext``). A wrong option raises FxShardError naming it."""
+
+from __future__ import annotations
+
+import torch
+
+from fxshard.errors import FxShardError
+from fxshard.passes.context import KNOBS
+
+STAGES = (0, 1, 2, 3)
+COMPILERS = ("eager", "inductor")
+# Inductor: faster than running the rewritten graphs op by op at stages 0, 1 and 3 and tied at stage 2 in two
+# invocations of examples/benchmark.py, with less peak memory at every stage (docs/benchmark.md, 2026-12-04)
+DEFAULT_COMPILER = "inductor"
+BUCKETS = ("layer", "block", "auto")
+
+def checked_knobs(knobs: dict) -> dict:
+    """The backend's knobs (``PassContext``'s fields after the facts), each of the right kind, or FxShardError."""
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise FxShardError(f"unknown backend option(s) {unknown}; the options are stage, group, mesh, passes, "
+                           f"compiler, machine, {', '.join(KNOBS)} (see fxshard.passes.PassContext)")
+    bucket = knobs.get("bucket", "auto")  # absent: the stage's default, a valid one
+    if not (bucket in BUCKETS or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket > 0)):
+        raise FxShardError(f'bucket must be "layer", "block", "auto" or a positive byte cap, got {bucket!r}')
+    if bucket == "block" and not knobs.get("blocks"):
+        raise FxShardError('bucket="block" needs blocks=[module names or module classes], e.g. blocks=[Block]')
+    for name in ("prefetch", "max_inflight_gathers"):
+        value = knobs.get(name, 0 if name == "prefetch" else 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "prefetch" else 1):
+            raise FxShardError(f"{name} must be an int >= {0 if name == 'prefetch' else 1}, got {value!r}")
+    for name in ("param_dtype", "reduce_dtype"):
+        value = knobs.get(name)
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise FxShardError(f"{name} must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {value!r}")
+    schedule = knobs.get("schedule")
+    if schedule is not None and not callable(schedule):
+        raise FxShardError(f"schedule must be a function schedule(gm, ctx) -> gm, got {schedule!r}")
+    step_bucket = knobs.get("step_bucket_bytes", 1)
+    if isinstance(step_bucket, bool) or not isinstance(step_bucket, int) or step_bucket <= 0:
+        raise FxShardError(f"step_bucket_bytes must be a positive int (bytes), got {step_bucket!r}")
+    timeout = knobs.get("collective_timeout_s", 1)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise FxShardError(f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
+    budget = knobs.get("memory_budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+        raise FxShardError(f"memory_budget must be a positive number of bytes per rank, got {budget!r}")
+    if "blocks" in knobs:
+        knobs = {**knobs, "blocks": tuple(knobs["blocks"])}
+    return knobs
+
+
+MESH_DIMS = ("replicate", "shard")  # the dimension names of a hybrid-sharding mesh
+
+
+def check_mesh(mesh, group) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if group is not None:
+        raise FxShardError("give the backend a group or a mesh, not both (a 1-D mesh is its group)")
+    if not isinstance(mesh, DeviceMesh):
+        raise FxShardError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 2 and set(mesh.mesh_dim_names or ()) != set(MESH_DIMS):
+        raise FxShardError(
+            f"a 2-D mesh needs its dimensions named {MESH_DIMS}, got {mesh.mesh_dim_names}: "
+            'init_device_mesh(device, (replicas, shards), mesh_dim_names=("replicate", "shard"))'
+        )
+    if mesh.ndim not in (1, 2):
+        raise FxShardError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim} dimensions")
+
+
+def mesh_groups(mesh, stage: int) -> tuple:
+    """(the group parameters are sharded over, the group each shard's gradient is then averaged over, a group of
+    every rank of the mesh) for a checked ``mesh``, None where there is none (None first: the world group). Stage 0
+    shards nothing: it all-reduces over every rank of the mesh."""
+    import torch.distributed as dist
+
+    if mesh.ndim == 1:
+        return mesh.get_group(), None, None
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    whole = None if ranks == list(range(dist.get_world_size())) else dist.new_group(
+        ranks=ranks, use_local_synchronization=True)
+    if stage == 0:
+        return whole, None, None
+    return mesh.get_group("shard"), mesh.get_group("replicate"), whole

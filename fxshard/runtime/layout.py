@@ -1,0 +1,152 @@
+"""A flat shard as the value a state dict holds: a DTensor of the parameter's full shape holding this rank's rows.
+
+fxshard keeps every parameter as a FLAT shard (``fxshard/runtime/sharding.py``): a flat range of the parameter,
+which is not a rectangular block of it, so DCP cannot describe it. A state dict therefore holds what FSDP2's holds:
+every tensor that lives sharded (a parameter of stages 2 and 3, a stage-1 fp32 master under mixed precision, a
+per-element optimizer state such as ``exp_avg`` in stages 1-3) becomes a ``DTensor`` of the parameter's FULL shape,
+``Shard(0)`` on a 1-D ``DeviceMesh`` over the group fxshard communicates on: rank ``r`` holds rows
+``[r * R, (r + 1) * R)`` with ``R = ceil(rows / world size)`` (``torch.chunk``'s split: the last ranks may hold fewer
+rows, or none). Tensors that every rank holds in full (stage 0, stage 1's parameters, scalars such as Adam's
+``step``) stay plain tensors, which DCP treats as replicated and writes once.
+
+Where a parameter's rows split evenly over the ranks, or it has a single dimension, each rank's rows ARE the
+elements of its flat shard: the DTensor's local tensor is a view of the shard (no copy, no communication), and
+``dcp.load`` writes straight into it. Otherwise the rows cross shard boundaries, and that one parameter is gathered
+(one all-gather), its rows copied out and the gathered tensor dropped before the next parameter: building a state
+dict never holds more than one full parameter. Loading does the reverse (rows that cross shard boundaries: that
+parameter's ``full_tensor()``, cut down to this rank's flat shard).
+
+Both the module state dicts (``prepare``'s hooks) and the optimizer's (``optimizer_state_dict``) build on this.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor, Shard
+
+from fxshard.errors import FxShardError
+
+from .ops import unshard
+from .sharding import ShardSpec, shard_of
+
+
+def gather_full(shard: torch.Tensor, spec: ShardSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full-shape value of a flat shard (a collective: every rank of the group must call it), in ``dtype``
+    (cast before the gather, so it moves ``dtype`` bytes) or the shard's own."""
+    return unshard(shard.detach(), None, list(spec.full_shape), spec.world_size, spec.group_name, spec.name,
+                   "reduce_scatter", dtype)
+
+
+_MESHES: dict[tuple[str, str], tuple[object, DeviceMesh]] = {}  # (group name, device type) -> (group, its mesh)
+
+
+def mesh_of(spec: ShardSpec, device_type: str) -> DeviceMesh:
+    """The 1-D DeviceMesh over the group ``spec``'s collectives run on (the one ``prepare`` recorded, not the world
+    group). Made once per group; a group destroyed and re-made under the same name gets a new mesh."""
+    group = _resolve_process_group(spec.group_name)
+    cached = _MESHES.get((spec.group_name, device_type))
+    if cached is None or cached[0] is not group:
+        cached = (group, DeviceMesh.from_group(group, device_type))
+        _MESHES[(spec.group_name, device_type)] = cached
+    return cached[1]
+
+
+def _row_numel(spec: ShardSpec) -> int:
+    return math.prod(spec.full_shape[1:])
+
+
+def _rows_of(spec: ShardSpec, rank: int) -> tuple[int, int]:
+    """The dim-0 rows ``[start, stop)`` rank ``rank`` holds under ``Shard(0)`` (torch.chunk's split)."""
+    rows = spec.full_shape[0]
+    per_rank = -(-rows // spec.world_size)
+    return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+
+
+def rows_are_shard(spec: ShardSpec) -> bool:
+    """Whether every rank's dim-0 rows are exactly the (unpadded) elements of its flat shard: true when the rows split
+    evenly over the ranks, and for every 1-D parameter."""
+    return spec.chunk == -(-spec.full_shape[0] // spec.world_size) * _row_numel(spec)
+
+
+def _as_dtensor(local: torch.Tensor, spec: ShardSpec) -> DTensor:
+    return DTensor.from_local(local, mesh_of(spec, local.device.type), [Shard(0)], run_check=False,
+                              shape=torch.Size(spec.full_shape), stride=_contiguous_strides(spec.full_shape))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@torch.no_grad()
+def sharded_value(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """What a state dict holds for a flat shard of ``spec``'s parameter (a parameter, a master, an optimizer state
+    of the parameter's layout): a DTensor of the full shape holding this rank's rows. A view of the shard where the
+    rows are the shard; else this parameter is gathered, so every rank must call it. A 0-d parameter has no rows to
+    split: every rank gets it whole (a plain tensor, gathered: one element)."""
+    shard = shard.detach()
+    if not spec.full_shape:
+        return gather_full(shard, spec)
+    start, stop = _rows_of(spec, spec.rank)
+    if rows_are_shard(spec):
+        local = shard[: (stop - start) * _row_numel(spec)].view(stop - start, *spec.full_shape[1:])
+    else:
+        local = gather_full(shard, spec)[start:stop].clone()  # the gathered parameter is dropped on return
+    return _as_dtensor(local, spec)
+
+
+def rows_of_full(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The state-dict value of a parameter whose full value this rank holds anyway (stage 2's resident copy): a
+    DTensor whose local tensor is a view of this rank's rows. No communication."""
+    if not spec.full_shape:
+        return full.detach()
+    start, stop = _rows_of(spec, spec.rank)
+    return _as_dtensor(full.detach()[start:stop], spec)
+
+
+def _check_shape(value, spec: ShardSpec, what: str) -> None:
+    if not torch.is_tensor(value) or tuple(value.shape) != spec.full_shape:
+        got = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise FxShardError(
+            f"{what}: the state dict holds {got}, the parameter {spec.name} has shape {list(spec.full_shape)}; "
+            "load a state dict (or checkpoint) saved from the same model"
+        )
+
+
+def _in_our_layout(value: DTensor, spec: ShardSpec) -> bool:
+    """Whether ``value`` is split as this module splits ``spec``'s parameter: Shard(0) over the same ranks. The same
+    answer on every rank, so every rank takes the same (collective or not) path."""
+    if tuple(value.placements) != (Shard(0),) or value.device_mesh.ndim != 1:
+        return False
+    ours = mesh_of(spec, value.device_mesh.device_type)
+    return value.device_mesh.mesh.tolist() == ours.mesh.tolist()
+
+
+@torch.no_grad()
+def shard_from_value(value, spec: ShardSpec, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """This rank's flat, zero-padded shard (a new tensor in ``dtype``) of a state-dict value of ``spec``'s
+    parameter: a full-shape tensor, or a DTensor of any layout (one of another layout, or whose rows cross shard
+    boundaries, is gathered: a collective, every rank calls it). Anything else raises FxShardError."""
+    _check_shape(value, spec, what)
+    if isinstance(value, DTensor):
+        if spec.full_shape and _in_our_layout(value, spec) and rows_are_shard(spec):
+            local = value.to_local().reshape(-1)
+            shard = torch.zeros(spec.chunk, dtype=dtype, device=local.device)
+            shard[: local.numel()] = local
+            return shard
+        value = value.full_tensor()
+    return shard_of(value.to(dtype), spec)
+
+
+def full_from_value(value, spec: ShardSpec, what: str) -> torch.Tensor:
+    """The full tensor of a state-dict value for a parameter this rank holds in full (stages 0, 1): a DTensor is
+    gathered (every rank calls it)."""
+    _check_shape(value, spec, what)
+    return value.full_tensor() if isinstance(value, DTensor) else value

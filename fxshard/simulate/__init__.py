@@ -1,0 +1,14 @@
+"""``fxshard.simulate``: predict a step's time from its rewritten graphs, and choose knobs by the prediction.
+
+- ``simulator``: the two-stream alpha-beta timeline (``simulate``, ``simulate_graph``, ``Machine``);
+- ``calibration``: the ``Machine`` constants measured on a process group (``calibrate``) and the fits behind them;
+- ``autotune``: the knobs a graph compiles with where the user left a choice, the fastest predicted that fits.
+
+``fxshard.simulate(...)`` is the function ``simulator.simulate``; this package stays importable by its name.
+"""
+
+from .calibration import calibrate
+from .simulator import GLOO_ON_CPU, NCCL_ON_GPU, Machine, Timeline, default_machine, simulate, simulate_graph
+
+__all__ = ["GLOO_ON_CPU", "NCCL_ON_GPU", "Machine", "Timeline", "calibrate", "default_machine", "simulate",
+           "simulate_graph"]

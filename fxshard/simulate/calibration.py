@@ -1,0 +1,249 @@
+"""Calibration: the ``Machine`` constants of the simulator measured on this group, and the fits behind them.
+
+``calibrate`` measures latency and bandwidth; with a backend and a step it fits ``op_overhead``,
+``collective_overhead`` and ``step_overhead`` to that backend's graphs and step (its docstring says how). The fits
+are pure functions, testable on synthetic timings.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import fx
+
+from fxshard.errors import FxShardError
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES
+
+from .simulator import WAIT, Machine, collective_role, compute_nodes, compute_seconds, graphs_of, simulate
+
+# -- calibration: fits (pure, testable on synthetic timings) ---------------------------------------------------
+
+def fit_ring(full_bytes, gather_seconds, all_reduce_seconds, world: int) -> tuple[float, float, float]:
+    """(collective_overhead, latency per hop, bandwidth) fitted by least squares to all-gathers and all-reduces of
+    full buffers of ``full_bytes`` that took ``gather_seconds`` and ``all_reduce_seconds``, under
+    :func:`collective_seconds`: an all-gather takes ``c + (N-1)·latency + x/bandwidth`` and an all-reduce
+    ``c + 2·(N-1)·latency + 2·x/bandwidth``, x = (N-1)/N·B. Their difference separates the per-hop latency from
+    the per-collective ``c``. A constant the noise drives negative is held at 0 and the others refitted. Needs
+    ``world`` >= 2, two or more distinct sizes and times that grow with size."""
+    full_bytes = [float(b) for b in full_bytes]
+    seconds = [float(t) for t in gather_seconds] + [float(t) for t in all_reduce_seconds]
+    if world < 2:
+        raise FxShardError(f"fitting the ring needs a world of 2 or more ranks, got {world}")
+    if len(set(full_bytes)) < 2 or len(seconds) != 2 * len(full_bytes):
+        raise FxShardError(f"fitting the ring needs all-gather and all-reduce timings at each of two or more distinct "
+                           f"sizes, got sizes {full_bytes}, {len(gather_seconds)} all-gather and "
+                           f"{len(all_reduce_seconds)} all-reduce timing(s): pass sizes=(small, ..., large)")
+    if min(seconds) <= 0:
+        raise FxShardError(f"collective timings must be positive seconds, got {seconds}")
+    sent = [(world - 1) / world * b for b in full_bytes]
+    rows = [[1.0, passes * (world - 1), passes * x] for passes in (1, 2) for x in sent]
+    free = [0, 1, 2]  # columns still fitted: overhead, latency, 1/bandwidth
+    while True:
+        design = torch.tensor([[row[i] for i in free] for row in rows], dtype=torch.float64)
+        solution = torch.linalg.lstsq(design, torch.tensor(seconds, dtype=torch.float64)[:, None]).solution
+        constants = dict(zip(free, solution[:, 0].tolist()))
+        negative = [i for i in free[:-1] if constants[i] < 0]  # overhead or latency
+        if not negative:
+            break
+        free.remove(negative[0])
+    if constants[2] <= 0:
+        timings = dict(zip(full_bytes, gather_seconds))
+        raise FxShardError(f"collective time does not grow with size (all-gathers, bytes: seconds {timings}): the "
+                           "measurement is noise-dominated; calibrate with more repeats or a larger largest size")
+    return constants.get(0, 0.0), constants.get(1, 0.0), 1.0 / constants[2]
+
+
+def fit_op_overhead(graphs, seconds: float, machine: Machine) -> float:
+    """Seconds per compute node such that ``graphs`` (GraphModules) run without their collectives take
+    ``seconds``: what the time left after the nodes' modelled work (FLOPs, bytes) costs per node; 0 when the
+    work alone already takes that long."""
+    graphs = list(graphs)
+    nodes = [node for gm in graphs for node in compute_nodes(gm)]
+    if not nodes:
+        raise FxShardError("fitting op_overhead needs graphs with compute nodes; got none")
+    bare = dataclasses.replace(machine, op_overhead=0.0)
+    work = sum(compute_seconds(node, bare) for node in nodes)
+    return max(0.0, (seconds - work) / len(nodes))
+
+
+def fit_collective_overhead(graphs, world: int, seconds: float, machine: Machine) -> float:
+    """Seconds per collective such that ``graphs`` (GraphModules, run one after another with their collectives)
+    take ``seconds`` on ``world`` ranks, the other constants held at ``machine``'s: what a collective costs inside
+    a step, where it contends with compute for the cores. Bisection on the timeline, which grows with it; 0 when
+    the graphs take ``seconds`` without it. Needs graphs with collectives."""
+    graphs = list(graphs)
+    if not any(collective_role(node) in COLLECTIVE_ROLES for gm in graphs for node in gm.graph.nodes):
+        raise FxShardError("fitting the per-collective overhead needs graphs with collectives; calibrate on a stage "
+                           "whose graphs communicate (0, 2 or 3), or keep the ring benchmark's")
+
+    def step_time(overhead: float) -> float:
+        return simulate(graphs, world, machine=dataclasses.replace(machine, collective_overhead=overhead,
+                                                                   step_overhead=0.0)).step_time
+
+    low, high = 0.0, max(seconds, 1e-9)  # each collective costs at least the overhead, so `seconds` is too much
+    if step_time(low) >= seconds:
+        return 0.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if step_time(middle) < seconds else (low, middle)
+    return (low + high) / 2
+
+
+def fit_step_overhead(source, world: int, seconds: float, machine: Machine) -> float:
+    """Seconds per step outside the graphs: a measured step of ``source`` (a backend that ran it) minus what
+    :func:`simulate` predicts for its graphs and optimizer collectives; 0 when the prediction already exceeds it."""
+    if seconds <= 0:
+        raise FxShardError(f"a step must take positive seconds, got {seconds!r}")
+    modelled = simulate(source, world, machine=dataclasses.replace(machine, step_overhead=0.0)).step_time
+    return max(0.0, seconds - modelled)
+
+
+def fit_step(machine: Machine, backend, world: int, compute_only: float, with_collectives: float,
+             step: float) -> Machine:
+    """``machine`` with the three overheads fitted to ``backend``'s step on ``world`` ranks, each fit on the one
+    before: ``op_overhead`` to its forward and backward graphs taking ``compute_only`` seconds without their
+    collectives, ``collective_overhead`` to them taking ``with_collectives`` seconds with them (unchanged when they
+    have none), ``step_overhead`` to the whole step taking ``step`` seconds."""
+    graphs = [gm for _, gm in graphs_of(backend)[0]]
+    machine = dataclasses.replace(machine, op_overhead=fit_op_overhead(graphs, compute_only, machine))
+    if any(collective_role(node) in COLLECTIVE_ROLES for gm in graphs for node in gm.graph.nodes):
+        machine = dataclasses.replace(
+            machine, collective_overhead=fit_collective_overhead(graphs, world, with_collectives, machine))
+    return dataclasses.replace(machine, step_overhead=fit_step_overhead(backend, world, step, machine))
+
+
+# -- calibration: measurements ---------------------------------------------------------------------------------
+
+def _zeros_for_placeholders(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """A zero tensor of each placeholder's traced shape and dtype (zeros are valid indices and labels too)."""
+    values = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise FxShardError(f"cannot replay graph input {node.name}: it has no traced tensor value (got "
+                               f"{type(val).__name__}); calibrate without backend= to skip the replay")
+        shape = [getattr(size.node, "hint", size) if isinstance(size, torch.SymInt) else size for size in val.shape]
+        values.append(torch.zeros([int(size) for size in shape], dtype=val.dtype))
+    return values
+
+
+def _without_collectives(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose collectives are empty tensors of their output's shape and whose waits are gone:
+    the graph's compute alone, runnable on one rank."""
+    with warnings.catch_warnings():  # torch 2.13's pytree warns about its own LeafSpec while copying codegen
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(gm.graph)
+    for node in list(graph.nodes):
+        if collective_role(node) in COLLECTIVE_ROLES:
+            val = node.meta["val"]
+            with graph.inserting_before(node):
+                stand_in = graph.call_function(torch.ops.aten.empty.memory_format, ([int(s) for s in val.shape],),
+                                               {"dtype": val.dtype})
+            node.replace_all_uses_with(stand_in)
+            graph.erase_node(node)
+        elif node.op == "call_function" and node.target is WAIT:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    return fx.GraphModule(gm, graph)
+
+
+def _median_seconds(fn, repeats: int, before=None) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` after one untimed call; ``before`` runs untimed ahead of
+    each (a barrier, so that every rank starts a collective together)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _interleaved_medians(calls, rounds: int, before) -> list[float]:
+    """Median wall time of each of ``calls`` over ``rounds`` rounds that run every call once, in turn, after one
+    untimed round; ``before`` runs untimed ahead of each call. Alternating, so that a change in the machine's load
+    (another process on the cores) moves every median alike and their differences stay meaningful."""
+    for call in calls:
+        call()
+    times = [[] for _ in calls]
+    for _ in range(rounds):
+        for call, record in zip(calls, times):
+            before()
+            start = time.perf_counter()
+            call()
+            record.append(time.perf_counter() - start)
+    return [statistics.median(record) for record in times]
+
+
+def _replay(graphs) -> Callable[[], None]:
+    """A call that runs ``graphs`` one after another on zero inputs made once, without autograd."""
+    inputs = [_zeros_for_placeholders(gm) for gm in graphs]
+
+    @torch.no_grad()
+    def run():
+        for gm, args in zip(graphs, inputs):
+            gm(*args)
+    return run
+
+
+def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22),
+              repeats: int = 20, steps: int = 20) -> Machine:
+    """Measure this machine and process group; a collective: every rank calls it with the same arguments. Returns
+    the same :class:`Machine` on every rank (times are averaged over the ranks before anything is fitted).
+
+    Always: matmul FLOP/s and copy bandwidth (best of ``repeats``), and the ring (:func:`fit_ring`: per-collective
+    overhead, latency per hop, bandwidth) from functional all-gathers and all-reduces of full buffers of ``sizes``
+    bytes, each the median of ``repeats`` timed after a barrier.
+
+    With ``backend`` (one that ran a step) and ``step`` (a callable running one whole training step of it: forward,
+    backward, optimizer step, zero_grad; called ``steps + 1`` times, so it trains), three fits, each on the one
+    before, from the backend's forward and backward graphs replayed on zero inputs and from real steps:
+    ``op_overhead`` (:func:`fit_op_overhead`) from the median of ``repeats`` replays without the collectives;
+    ``collective_overhead`` (:func:`fit_collective_overhead`) from replays with them, where a collective contends
+    with compute for the cores (the ring's value stays when the graphs have none); ``step_overhead``
+    (:func:`fit_step_overhead`) from the steps. Replays with collectives and steps alternate over ``steps`` rounds
+    (medians), so a change in load moves both alike. The fits assume one machine for every configuration of the
+    same model and optimizer: calibrate one configuration and predict the others; another model needs its own."""
+    import torch.distributed as dist
+
+    from fxshard.passes.cost_model import best_time
+
+    if (backend is None) != (step is None):
+        raise FxShardError("calibrate fits a step's overheads from both backend= (that ran a step) and step= (a "
+                           "callable running one training step of it); pass both, or neither for the machine alone")
+    if repeats < 1 or steps < 1:
+        raise FxShardError(f"repeats and steps must be >= 1, got repeats={repeats}, steps={steps}")
+    world = dist.get_world_size(group)
+    a = torch.randn(256, 256)
+    big = torch.randn(1 << 20)
+    measured = [2 * 256**3 / best_time(lambda: a @ a, repeats), big.nbytes / best_time(big.clone, repeats)]
+    barrier = lambda: dist.barrier(group)  # noqa: E731
+    group_name = (group or dist.group.WORLD).group_name
+    functional = torch.ops._c10d_functional
+    shard_numels = [max(1, int(full_bytes) // 4 // world) for full_bytes in sizes]
+    for numel in shard_numels:  # the graphs' own collectives: functional, then wait
+        shard, full = torch.randn(numel), torch.randn(numel * world)
+        measured += _interleaved_medians(
+            [lambda: functional.wait_tensor(functional.all_gather_into_tensor(shard, world, group_name)),
+             lambda: functional.wait_tensor(functional.all_reduce(full, "sum", group_name))], repeats, barrier)
+    if backend is not None:
+        graphs = [gm for _, gm in graphs_of(backend)[0]]
+        measured.append(_median_seconds(_replay([_without_collectives(gm) for gm in graphs]), repeats))
+        measured += _interleaved_medians([_replay(graphs), step], steps, barrier)
+    averaged = torch.tensor(measured, dtype=torch.float64)
+    dist.all_reduce(averaged, group=group)
+    flops, memory, *times = (averaged / world).tolist()
+    ring_times, step_times = times[:2 * len(sizes)], times[2 * len(sizes):]
+    overhead, latency, bandwidth = fit_ring([4 * numel * world for numel in shard_numels], ring_times[0::2],
+                                            ring_times[1::2], world)
+    machine = Machine(flops_per_s=flops, memory_bandwidth=memory, bandwidth=bandwidth, latency=latency,
+                      collective_overhead=overhead)
+    return machine if backend is None else fit_step(machine, backend, world, *step_times)

@@ -1,0 +1,263 @@
+"""``fxshard.simulate``: an alpha-beta timeline of the scheduled graphs, to predict step time at any world size.
+
+Two streams, as the rewritten graphs run them: a compute stream that runs every node in graph order, and a
+communication stream that runs the collectives one after another. A collective is issued when the compute stream
+reaches it (its input is ready then) and the communication stream is free; ``wait_tensor`` holds the compute stream
+until its collective is done. So the order the scheduling passes chose (prefetch: gathers issued early, waits late)
+decides how much communication hides behind compute.
+
+Costs:
+- compute node: ``flops / flops_per_s`` for ops torch's flop counter knows (matmuls, attention), else
+  ``bytes written / memory_bandwidth``, plus ``op_overhead`` seconds per node (the Python and dispatcher cost of
+  one node of an eager-compiled graph);
+- ring collective on N ranks with a full buffer of B bytes: all-gather and reduce-scatter take
+  ``collective_overhead + (N-1)·latency + (N-1)/N·B/bandwidth``, all-reduce two such ring passes (one overhead);
+- hybrid mesh (R replica groups of S shard ranks): the all-reduce of each gradient shard across the replicas
+  (meta ``across == "replicate"``; stage 1's in the optimizer step) runs on R ranks and the inter-group network
+  (``replicate_latency``, ``replicate_bandwidth``), every other collective on the ``world`` ranks simulated (S);
+- ``step_overhead`` seconds per step on the compute stream, after the graphs: what a step runs outside them (the
+  autograd engine, the compiled function's wrappers and guards, the optimizer's update, ``zero_grad``);
+- data parallelism with a fixed batch per rank (weak scaling): compute and the full buffers do not change with N,
+  so one compiled graph predicts every N; padding is ignored.
+The optimizer step's own collectives (stages 1, 2) run eagerly after backward and are added unhidden.
+
+:func:`fxshard.simulate.calibrate` (``calibration.py``) measures these constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import fx
+
+from fxshard.budget.symbols import N
+from fxshard.errors import FxShardError
+from fxshard.passes.cost_model import node_flops, tensor_bytes
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES, replica_ranks
+
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What one rank and the network can do. Defaults are round numbers for a CPU host on a fast LAN."""
+
+    flops_per_s: float = 5e10
+    """FLOP/s of an op that torch's flop counter knows (matmuls, attention)."""
+    memory_bandwidth: float = 1e10
+    """Bytes/s written by an op without a flop formula."""
+    bandwidth: float = 1e10
+    """Bytes/s per rank on the ring."""
+    latency: float = 2e-5
+    """Seconds per ring hop of one collective."""
+    collective_overhead: float = 0.0
+    """Seconds per collective at any world size: issuing it, handing it to the backend's thread, waking the rank
+    that waits for it."""
+    op_overhead: float = 0.0
+    """Seconds per compute node of a graph, on top of its work: Python and dispatch of the compiled graph."""
+    step_overhead: float = 0.0
+    """Seconds per step outside the graphs: autograd engine, compiled-function wrappers, optimizer update,
+    zero_grad."""
+    replicate_bandwidth: float | None = None
+    """Bytes/s per rank on the ring across the replica groups of a hybrid mesh (often a slower inter-node network);
+    None: ``bandwidth``."""
+    replicate_latency: float | None = None
+    """Seconds per ring hop across the replica groups of a hybrid mesh; None: ``latency``."""
+
+    def across_replicas(self) -> Machine:
+        """This machine with the inter-group network as its ring: what a collective across the replicas of a hybrid
+        mesh runs on (the per-collective overhead is the host's, the same on either network)."""
+        return dataclasses.replace(
+            self, bandwidth=self.bandwidth if self.replicate_bandwidth is None else self.replicate_bandwidth,
+            latency=self.latency if self.replicate_latency is None else self.replicate_latency)
+
+
+GLOO_ON_CPU = Machine(flops_per_s=8.5e10, memory_bandwidth=3.9e10, bandwidth=6e8, latency=0.0,
+                      collective_overhead=9.5e-4, op_overhead=7.7e-6)
+"""gloo between processes of one host, one CPU thread per rank: ``calibrate`` on a 2-core x86 VM, 2 ranks
+(docs/simulate.md, 2026-12-03). What sets it apart is the per-collective overhead (about 1 ms)."""
+
+NCCL_ON_GPU = Machine(flops_per_s=5e13, memory_bandwidth=2e12, bandwidth=5e10, latency=5e-6,
+                      collective_overhead=2e-5)
+"""NCCL between GPUs of one node: stated (a ring of ~50 GB/s per rank, ~20 µs to launch a collective), not
+calibrated; ``calibrate`` on your own cluster for figures to trust."""
+
+
+def default_machine(device_type: str) -> Machine:
+    """The machine the backend predicts on when given none: ``NCCL_ON_GPU`` for graphs on ``cuda``, else
+    ``GLOO_ON_CPU``."""
+    return NCCL_ON_GPU if device_type == "cuda" else GLOO_ON_CPU
+
+
+@dataclasses.dataclass
+class Event:
+    graph: str
+    node: str
+    stream: str  # "compute" or "comm"
+    start: float
+    end: float
+    unit: str = ""  # the unit a collective moves, or the module a compute node belongs to, where known
+
+
+@dataclasses.dataclass
+class Timeline:
+    """The predicted step: total time, time the compute stream is busy (graph nodes and the per-step overhead),
+    communication time, the part of it the compute stream waited for (exposed), and the per-step overhead alone."""
+
+    world: int
+    step_time: float
+    compute_time: float
+    comm_time: float
+    exposed_comm: float
+    overhead_time: float
+    events: list[Event]
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the communication that overlapped compute (1.0: all hidden)."""
+        return 1.0 if self.comm_time == 0 else 1.0 - self.exposed_comm / self.comm_time
+
+
+def compute_seconds(node: fx.Node, machine: Machine) -> float:
+    flops = node_flops(node)
+    work = flops / machine.flops_per_s if flops else tensor_bytes(node.meta.get("val")) / machine.memory_bandwidth
+    return work + machine.op_overhead
+
+
+def collective_seconds(kind: str, full_bytes: float, world: int, machine: Machine) -> float:
+    """Ring alpha-beta time of one collective whose full (unsharded) buffer has ``full_bytes``, plus the machine's
+    per-collective overhead; an all-reduce is two ring passes (reduce-scatter, then all-gather)."""
+    if world <= 1:
+        return 0.0
+    one_pass = (world - 1) * machine.latency + (world - 1) / world * full_bytes / machine.bandwidth
+    return machine.collective_overhead + (2 if kind == "all_reduce" else 1) * one_pass
+
+
+def collective_role(node: fx.Node) -> str | None:
+    return node.meta.get("fxshard", {}).get("role")
+
+
+def _ring(replicas: int | None, world: int, machine: Machine) -> tuple[int, Machine]:
+    """(ranks, machine) a collective is timed on: ``replicas`` ranks on the inter-group network when it runs across
+    the replicas of a hybrid mesh, else the ``world`` ranks simulated on the ring's own figures."""
+    return (world, machine) if replicas is None else (replicas, machine.across_replicas())
+
+
+def _unit(node: fx.Node) -> str:
+    """The fxshard unit of a node the passes made, else the innermost module Dynamo traced it in."""
+    unit = node.meta.get("fxshard", {}).get("unit")
+    if unit:
+        return unit
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    path = next(reversed(stack.values()), ("",))[0] if stack else ""
+    return path.removeprefix("L['self'].").replace("._modules['", ".").replace("']", "")
+
+
+def _full_bytes(node: fx.Node, kind: str) -> float:
+    if kind == "all_gather":
+        return tensor_bytes(node.meta.get("val"))  # the gathered output
+    return tensor_bytes(node.args[0].meta.get("val"))  # what is reduced (across replicas: the gradient shard)
+
+
+def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes the compute stream runs and charges ``op_overhead`` for: every call but collectives and waits."""
+    return [node for node in gm.graph.nodes if node.op == "call_function" and collective_role(node) not in COLLECTIVE_ROLES
+            and node.target is not WAIT]
+
+
+def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, start: float = 0.0):
+    """Run one graph's nodes on the two streams; returns (end time, busy compute, busy comm, events)."""
+    compute_at = comm_at = start
+    busy_compute = busy_comm = 0.0
+    done: dict[fx.Node, float] = {}
+    events = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        role = collective_role(node)
+        if role in COLLECTIVE_ROLES:
+            begin = max(compute_at, comm_at)
+            seconds = collective_seconds(role, _full_bytes(node, role), *_ring(replica_ranks(node), world, machine))
+            comm_at = done[node] = begin + seconds
+            busy_comm += seconds
+            events.append(Event(name, node.name, "comm", begin, comm_at, _unit(node)))
+        elif node.target is WAIT:
+            issued = node.args[0]
+            compute_at = max(compute_at, done.get(issued, compute_at))
+        else:
+            seconds = compute_seconds(node, machine)
+            events.append(Event(name, node.name, "compute", compute_at, compute_at + seconds, _unit(node)))
+            compute_at += seconds
+            busy_compute += seconds
+    return max(compute_at, comm_at), busy_compute, busy_comm, events
+
+
+def graphs_of(source) -> tuple[list[tuple[str, fx.GraphModule]], list[tuple[str, float, int | None]]]:
+    """(name, graph) pairs of one step in execution order, and the optimizer step's collectives (kind, full bytes,
+    replicas: the ranks of one across the replicas of a hybrid mesh, else None)."""
+    from fxshard.budget import Ledger, R
+    from fxshard.budget import ledger as ledger_of
+
+    if isinstance(source, fx.GraphModule):
+        return [("graph", source)], []
+    if isinstance(source, (list, tuple)) and all(isinstance(g, fx.GraphModule) for g in source):
+        return [(f"graph {i}", g) for i, g in enumerate(source)], []
+    records = getattr(source, "graphs", None)
+    if records is None:
+        raise FxShardError("simulate takes a backend that ran a step, or rewritten GraphModule(s); got "
+                           f"{type(source).__name__}")
+    finals = {}
+    for record in records:
+        if record.final is not None and record.kind in ("forward", "backward"):
+            finals[(record.graph_id, record.kind)] = record.final
+    if not finals:
+        raise FxShardError("the backend has compiled no forward/backward graph yet: run one step through "
+                           "torch.compile(model, backend=backend) first")
+    ids = sorted({i for i, _ in finals})
+    order = [(f"graph {i} forward", finals[(i, "forward")]) for i in ids if (i, "forward") in finals]
+    order += [(f"graph {i} backward", finals[(i, "backward")]) for i in reversed(ids) if (i, "backward") in finals]
+    step = []
+    if getattr(source, "optimizer", None) is not None and getattr(source, "model", None) is not None:
+        ledger: Ledger = ledger_of(source)
+        for term in ledger.select("comm"):
+            if term.source.startswith("optimizer step"):
+                full = ledger.at(term.bytes) * (ledger.at(N) if term.item == "all_gather" else 1)
+                step.append((term.item, full, ledger.at(R) if term.ranks == R else None))
+    return order, step
+
+
+def simulate(source, world: int, *, bandwidth: float | None = None, latency: float | None = None,
+             flops: float | None = None, machine: Machine | None = None) -> Timeline:
+    """Predict one training step on ``world`` ranks from the rewritten graphs of ``source`` (a backend that ran
+    a step, or GraphModules): ``bandwidth`` bytes/s per rank, ``latency`` seconds per ring hop, ``flops`` FLOP/s
+    per rank override ``machine``'s (see :class:`Machine`, :func:`calibrate`). The step is the graphs in order,
+    then the optimizer step's collectives, then ``machine.step_overhead``. On a hybrid mesh ``world`` is the shard
+    group's size; the all-reduces across the replicas run over the mesh's replicas, on
+    ``machine.replicate_bandwidth`` and ``replicate_latency`` (where None, the ring's, overrides included)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise FxShardError(f"world must be a positive number of ranks, got {world!r}")
+    machine = machine or Machine()
+    overrides = {k: v for k, v in (("bandwidth", bandwidth), ("latency", latency), ("flops_per_s", flops))
+                 if v is not None}
+    for key, value in overrides.items():
+        if value < 0 or (key != "latency" and value == 0):
+            raise FxShardError(f"{key} must be positive, got {value!r}")
+    machine = dataclasses.replace(machine, **overrides)
+    graphs, step_collectives = graphs_of(source)
+    clock = compute = comm = 0.0
+    events: list[Event] = []
+    for name, gm in graphs:
+        clock, busy_compute, busy_comm, graph_events = simulate_graph(gm, name, world, machine, clock)
+        compute += busy_compute
+        comm += busy_comm
+        events += graph_events
+    for kind, full_bytes, replicas in step_collectives:  # eager, one after another, nothing to hide behind
+        seconds = collective_seconds(kind, full_bytes, *_ring(replicas, world, machine))
+        events.append(Event("optimizer step", kind, "comm", clock, clock + seconds))
+        clock += seconds
+        comm += seconds
+    events.append(Event("step", "overhead", "compute", clock, clock + machine.step_overhead))
+    clock += machine.step_overhead
+    compute += machine.step_overhead
+    return Timeline(world, clock, compute, comm, max(0.0, clock - compute), machine.step_overhead, events)
