@@ -28,6 +28,9 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 2
     d_model: int = 32
+    # GPT-2's N(0, 0.02) for every matrix, drawn after the layers' own init; False keeps torch's per-layer init
+    # (reset_parameters), which a model built on the meta device reproduces bit for bit (docs/large-models.md)
+    gpt2_init: bool = True
 
 
 class Attention(nn.Module):
@@ -72,7 +75,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
-        for module in self.modules():  # GPT-2's initialisation: small logits at the start
+        for module in self.modules() if config.gpt2_init else ():  # GPT-2's: small logits at the start
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
 

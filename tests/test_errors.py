@@ -125,14 +125,6 @@ def test_converting_a_model_after_prepare(fake_world, stage):
     assert model.to(torch.float32) is model  # a conversion that changes nothing goes through
 
 
-def test_parameters_on_the_meta_device_are_refused_at_prepare():
-    with torch.device("meta"):
-        model = MLP()
-    with pytest.raises(fxshard.FxShardError, match=r"parameter fc1.weight \(shape \[16, 8\]\) is on the meta device"
-                                                   r".*model.to_empty\(device=...\) then initialise it"):
-        fxshard.backend(compiler="eager", stage=3).prepare(model)
-
-
 def test_compiling_with_another_backend_than_the_one_that_prepared(fake_world):
     preparer, other = fxshard.backend(stage=3), fxshard.backend(stage=3, prefetch=0)
     model, _ = preparer.prepare(MLP())

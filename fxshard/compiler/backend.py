@@ -125,16 +125,24 @@ class Backend:
         self._check_group_name = ""  # the group the consistency check compares over, set by prepare
 
     # -- preparing ----------------------------------------------------------------------------------------------
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
-        """Shard ``model``'s parameters over the group in place; returns ``(model, optimizer over the shards)``."""
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                param_init_fn=None, device=None):
+        """Shard ``model``'s parameters over the group in place; returns ``(model, optimizer over the shards)``.
+
+        A model built under ``torch.device("meta")`` (with its optimizer built over the meta parameters) is never
+        whole: each module's parameters are materialised on the CPU in turn, initialised by ``param_init_fn(module)``
+        or the module's ``reset_parameters()``, cut to this rank's shard and moved to ``device`` (default: the CPU,
+        or the current CUDA device on NCCL). See docs/large-models.md for the initialisation contract."""
         if not isinstance(model, nn.Module):
             raise FxShardError(f"prepare takes an nn.Module, got {type(model).__name__}")
-        _refuse_meta_tensors(model)
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise FxShardError(f"param_init_fn must be a function fn(module) -> None, got {param_init_fn!r}")
         groups = (self.group, None, None) if self.mesh is None else mesh_groups(self.mesh, self.stage)
         leaves, grad_sync = shard_parameters(model, self.stage, groups[0], self.knobs.get("param_dtype"),
                                              self.knobs.get("reduce_dtype"),
                                              self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S),
-                                             *groups[1:])
+                                             *groups[1:], param_init_fn=param_init_fn, device=device,
+                                             init_units=tuple(b for b in repeated_blocks(model) if b))
         self.model = model
         step_bucket_bytes = self.knobs.get("step_bucket_bytes", DDP_BUCKET_BYTES)
         self.optimizer = (None if optimizer is None
@@ -345,20 +353,6 @@ def backend_of(model: nn.Module) -> Backend:
         raise FxShardError(f"this {type(model).__name__} was not prepared by fxshard; call "
                            "backend.prepare(model, optimizer) first")
     return kept.backend
-
-
-def _refuse_meta_tensors(model: nn.Module) -> None:
-    """A parameter or buffer on the meta device has no values to broadcast or shard: refuse it at prepare, not
-    deep inside Dynamo at the first compile."""
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, tensor in named:
-            if tensor.is_meta:
-                raise FxShardError(
-                    f"{kind} {name} (shape {list(tensor.shape)}) is on the meta device: it has no values to "
-                    "broadcast and shard. Materialise the model before backend.prepare: "
-                    "model.to_empty(device=...) then initialise it (reset_parameters(), your init function, or "
-                    "load_state_dict)"
-                )
 
 
 def _prepared_tensors(gm: fx.GraphModule, example_inputs) -> list[torch.Tensor]:

@@ -85,8 +85,9 @@ def chunk_size(numel: int, world_size: int) -> int:
     return -(-numel // world_size)
 
 
-def shard_of(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """This rank's flat, padded shard of ``full`` (a new tensor; ``full`` is not kept alive)."""
+def shard_of(full: torch.Tensor, spec: ShardSpec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's flat, padded shard of ``full`` (a new tensor, or written into ``out``; ``full`` is not kept
+    alive)."""
     if tuple(full.shape) != spec.full_shape:
         raise FxShardError(
             f"{spec.name}: expected a tensor of shape {list(spec.full_shape)}, got {list(full.shape)}; "
@@ -94,9 +95,10 @@ def shard_of(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
         )
     flat = full.detach().reshape(-1)
     start = spec.rank * spec.chunk
-    shard = flat.new_zeros(spec.chunk)
+    shard = flat.new_zeros(spec.chunk) if out is None else out
     mine = flat[start : min(start + spec.chunk, spec.numel)]
     shard[: mine.numel()] = mine
+    shard[mine.numel() :] = 0
     return shard
 
 

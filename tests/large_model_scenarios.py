@@ -1,0 +1,147 @@
+"""Rank functions of tests/test_large_models.py (module level, so that WorkerPool ranks import them)."""
+
+import torch
+
+import fxshard
+from examples.models import GPT, GPTConfig
+from fxshard.runtime.prepare import spec_of
+from fxshard.runtime.sharding import shard_of
+from fxshard.testing import rank_and_world
+
+# d=1024, 8 blocks, a vocabulary of 8192 (tied): 109.6M parameters, 418 MiB in fp32; its largest unit (the
+# embedding, 32 MiB) is what one module materialises at most
+LARGE = GPTConfig(vocab_size=8192, block_size=64, n_layer=8, n_head=16, d_model=1024, gpt2_init=False)
+MIB = 2**20
+
+
+def _resident_peak_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def _reset_resident_peak() -> int:
+    """Make the peak resident size the current one (Linux: clear_refs 5); returns it."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    return _resident_peak_bytes()
+
+
+def prepare_a_large_model_on_meta(stage: int) -> dict:
+    """Build LARGE on the meta device, prepare it at ``stage`` (seeded alike on every rank) and measure the resident
+    peak it took; then build it normally on the CPU with the same seed and compare this rank's shards bit for bit."""
+    rank, world = rank_and_world()
+    torch.manual_seed(1234 + rank)  # ranks seeded apart: prepare takes the first rank's random state
+    before = _reset_resident_peak()
+    with torch.device("meta"):
+        model = GPT(LARGE)
+    torch.manual_seed(1234)
+    if rank:
+        torch.manual_seed(99)
+    model, _ = fxshard.backend(compiler="eager", stage=stage).prepare(model)
+    peak = _resident_peak_bytes() - before
+    held = dict(model.named_parameters())
+    torch.manual_seed(1234)
+    reference = GPT(LARGE)
+    mismatched = []
+    for name, full in reference.named_parameters():
+        spec = spec_of(held[name])
+        expected = shard_of(full, spec) if spec.trains_shard else full
+        if not torch.equal(held[name], expected):
+            mismatched.append(name)
+    numels = [p.numel() for p in reference.parameters()]
+    return {"peak": peak, "mismatched": mismatched, "share": sum(numels) * 4 / world, "largest": max(numels) * 4,
+            "whole": sum(numels) * 4}
+
+
+def train_born_on_meta_and_built(stage: int, steps: int = 3) -> dict:
+    """The plain GPT trained ``steps`` compiled AdamW steps twice: built on the meta device (the optimizer built
+    over the meta parameters, as FSDP2 users write it) and built normally; the losses of each step."""
+    from examples.models import gpt_batch
+
+    rank, _ = rank_and_world()
+    config = GPTConfig(gpt2_init=False)
+    losses = {}
+    for born in ("meta", "cpu"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        with torch.device(born):
+            model = GPT(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        backend = fxshard.backend(compiler="eager", stage=stage)
+        model, opt = backend.prepare(model, opt)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        generator = torch.Generator().manual_seed(rank)
+        losses[born] = []
+        for _ in range(steps):
+            loss = compiled(*gpt_batch(config, 4, generator))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[born].append(loss.item())
+    return losses
+
+
+
+def _tiny_gpt2(n_embd: int = 32):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=n_embd, n_head=2, n_positions=16, vocab_size=64, bos_token_id=0, eos_token_id=0))
+
+
+def _meta_gpt2(stage: int):
+    with torch.device("meta"):
+        model = _tiny_gpt2()
+    model, _ = fxshard.backend(compiler="eager", stage=stage).prepare(model, param_init_fn=model._init_weights)
+    return model
+
+
+def _full(model) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from fxshard.checkpoint import get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def huggingface_round_trip(directory: str, stage: int) -> dict:
+    """A GPT-2 saved by ``save_pretrained`` loads into a meta-born prepared model; exported consolidated, it loads
+    back with ``from_pretrained``; exported sharded, into another meta-born model; other models' checkpoints are
+    refused before anything changes."""
+    import pathlib
+
+    import torch.distributed as dist
+    import transformers
+
+    from fxshard.checkpoint import load_huggingface, save_huggingface
+
+    root = pathlib.Path(directory)
+    rank, _ = rank_and_world()
+    torch.manual_seed(5)
+    source = _tiny_gpt2()
+    if rank == 0:
+        source.save_pretrained(root / "source")
+        _tiny_gpt2(n_embd=48).save_pretrained(root / "wider")
+    dist.barrier()
+    expected = {k: v for k, v in source.state_dict().items()}
+    model = _meta_gpt2(stage)
+    load_huggingface(model, root / "source")
+    loaded = _full(model)
+    save_huggingface(model, root / "consolidated")
+    save_huggingface(model, root / "sharded", consolidated=False)
+    reread = transformers.GPT2LMHeadModel.from_pretrained(root / "consolidated").state_dict()
+    again = _meta_gpt2(stage)
+    load_huggingface(again, root / "sharded")
+    before = _full(again)
+    errors = []
+    for bad in ("wider", "missing"):
+        try:
+            load_huggingface(again, root / bad)
+        except fxshard.FxShardError as error:
+            errors.append(str(error))
+    unchanged = all(torch.equal(v, before[k]) for k, v in _full(again).items())
+    mismatched = [k for k, v in expected.items() if not (torch.equal(loaded[k], v) and torch.equal(reread[k], v)
+                                                          and torch.equal(before[k], v))]
+    return {"mismatched": mismatched, "errors": errors, "unchanged": unchanged,
+            "files": sorted(p.name for p in (root / "consolidated").iterdir())}
