@@ -1,14 +1,16 @@
 """``python -m fxshard``: the ledger from the command line.
 
     python -m fxshard budget --params 7.5e9 (--world 64 | --mesh 8x8) --stage 0,1,2,3 [--optimizer adamw]
-                             [--param-bytes 2 --grad-bytes 2 --master-bytes 4 --state-bytes 4] [--format json]
+                             [--param-bytes 2 --grad-bytes 2 --master-bytes 4 --state-bytes 4] [--unit-params U]
+                             [--format json]
     python -m fxshard report script.py [script arguments...] [--format json]
     python -m fxshard simulate script.py [script arguments...] --trace OUT.json [--world N]
 
 ``budget`` prints the memory per rank and the bytes sent per step of a model of ``--params`` elements without
 running it: it compiles a small stand-in (bias-free linear layers whose backward reads every weight, the ZeRO paper's
 assumption) for each stage under a fake process group, takes the ledger's closed form from those graphs and
-evaluates it at your sizes. ``--mesh RxS`` is hybrid sharding: R replica groups of S ranks (e.g. 8 nodes of 8
+evaluates it at your sizes, with the peak of building and preparing the model (built on the meta device: its
+share plus the largest unit, ``--unit-params`` elements, e.g. one transformer block; built whole). ``--mesh RxS`` is hybrid sharding: R replica groups of S ranks (e.g. 8 nodes of 8
 GPUs, 8x8); stages 1-3 shard over S and send each gradient shard across the R replicas, stage 0 all-reduces over
 all R*S ranks, and the bytes sent are split into the two dimensions.
 
@@ -65,7 +67,8 @@ def _stand_in_ledger(stage: int, optimizer: str, hybrid: bool = False) -> budget
 
     with fake_process_group(4 if hybrid else 2):
         torch._dynamo.reset()
-        model = StandIn()
+        with torch.device("meta"):  # prepare materialises it: the ledger has the prepare peak of a born-sharded model
+            model = StandIn()
         kwargs = {"momentum": 0.9} if optimizer in ("sgd",) else {}
         mesh = None
         if hybrid:
@@ -84,11 +87,15 @@ def _bytes(value: float) -> str:
 
 
 def budget_rows(params: float, world: int, stages: list[int], optimizer: str, widths: dict,
-                replicas: int = 1) -> list[dict]:
+                replicas: int = 1, unit_params: float | None = None) -> list[dict]:
     """Per stage: each memory item, the total and the bytes sent per step (``sent_shard``: within the groups a
     parameter is sharded over, ``sent_replicas``: across replicas), at ``params`` elements on ``world`` ranks
     (``replicas`` > 1: a hybrid mesh of ``replicas`` groups of ``world / replicas``). With a master wider than
-    the parameters (mixed precision) the compute copy is counted apart from it."""
+    the parameters (mixed precision) the compute copy is counted apart from it. The prepare peak of the model
+    built on the meta device (``prepare_meta``, evaluated where ``unit_params``, the largest unit's elements, is
+    given) and built whole (``prepare_whole``)."""
+    from fxshard.budget.prepare_terms import prepare_terms
+
     rows = []
     for stage in stages:
         hybrid = replicas > 1 and stage > 0  # stage 0 on a mesh all-reduces over every rank
@@ -109,6 +116,14 @@ def budget_rows(params: float, world: int, stages: list[int], optimizer: str, wi
         for name, ranks in (("sent", None), ("sent_shard", budget.N), ("sent_replicas", budget.R)):
             sent = ledger.closed_form(ledger.communicated(moved=True, ranks=ranks))
             row.update({name: float(sent.subs(values)), f"{name}_form": str(sympy.factor(sent.subs(widths)))})
+        counts = list(ledger.params.values())
+        whole = prepare_terms(ledger.select("memory"), {}, counts, dict(ledger.values))
+        for name, form in (("prepare_meta", ledger.prepare_peak()),
+                           ("prepare_whole", sympy.Add(*(t.bytes for t in whole)))):
+            closed = ledger.closed_form(form).subs(widths)
+            row[f"{name}_form"] = str(sympy.expand(closed))
+            known = closed.subs(values) if budget.U not in closed.free_symbols or unit_params else None
+            row[name] = None if known is None else float(known.subs(budget.U, unit_params or 0))
         rows.append(row)
     return rows
 
@@ -125,9 +140,13 @@ def _budget(args) -> int:
         raise FxShardError("--params must be positive")
     widths = {budget.B_PARAM: args.param_bytes, budget.B_GRAD: args.grad_bytes, budget.B_MASTER: args.master_bytes,
               budget.B_STATE: args.state_bytes}
-    rows = budget_rows(args.params, world, stages, args.optimizer, widths, replicas)
+    if args.unit_params is not None and not 0 < args.unit_params <= args.params:
+        raise FxShardError("--unit-params is the largest unit's elements (one transformer block, say): more than 0 "
+                           "and at most --params")
+    rows = budget_rows(args.params, world, stages, args.optimizer, widths, replicas, args.unit_params)
     if args.format == "json":
         print(json.dumps({"params": args.params, "world": world, "replicas": replicas, "optimizer": args.optimizer,
+                          "unit_params": args.unit_params,
                           "widths": {str(k): v for k, v in widths.items()}, "stages": rows}, indent=2))
         return 0
     where = (f"a {replicas}x{world // replicas} mesh (R = {replicas} replicas of shard groups of N = "
@@ -142,6 +161,11 @@ def _budget(args) -> int:
                      *(x for key, _ in sent for x in (r[f"{key}_form"], _bytes(r[key])))) for r in rows],
                    headers=["stage", "memory per rank", "compute copy", "master", "gradients", "optimizer state",
                             "total per rank", *(x for _, title in sent for x in (title, "per rank"))]))
+    print("\nprepare peak per rank (building and preparing, before the first step); U: the elements of the "
+          "largest unit" + (f" = {args.unit_params:,.0f}" if args.unit_params else " (give --unit-params)"))
+    print(tabulate([(r["stage"], r["prepare_meta_form"], "" if r["prepare_meta"] is None else _bytes(r["prepare_meta"]),
+                     r["prepare_whole_form"], _bytes(r["prepare_whole"])) for r in rows],
+                   headers=["stage", "built on meta", "per rank", "built whole", "per rank"]))
     return 0
 
 
@@ -259,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--grad-bytes", type=int, default=2, help="bytes per gradient element (2)")
     plan.add_argument("--master-bytes", type=int, default=4, help="bytes per master element (4)")
     plan.add_argument("--state-bytes", type=int, default=4, help="bytes per optimizer state element (4)")
+    plan.add_argument("--unit-params", type=float, help="elements of the largest unit prepare materialises at once "
+                      "from the meta device (one transformer block, or the embedding where larger), e.g. 8.6e8")
     plan.add_argument("--format", choices=["text", "json"], default="text")
     report = commands.add_parser("report", help="run a training script and print each backend's ledger")
     report.add_argument("--format", choices=["text", "json"], default="text")

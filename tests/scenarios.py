@@ -589,17 +589,18 @@ def reload_full_optimizer_state(stage: int, path: str) -> dict:
 
 
 def compiled_model(model_name: str, stage: int, world: int = 2, mesh_shape: tuple | None = None,
-                   **backend_options):
-    """The backend after one forward and backward of a model (``"chain"`` or a ``build_model`` name) with AdamW,
-    compiled under a fake process group of ``world`` ranks, or of a (replicas, shards) ``mesh_shape`` hybrid mesh
-    (single process: its graphs, not its numbers)."""
+                   on_meta: bool = False, **backend_options):
+    """The backend after one forward and backward of a model (``"chain"`` or a ``build_model`` name; ``on_meta``:
+    built on the meta device) with AdamW, compiled under a fake process group of ``world`` ranks, or of a
+    (replicas, shards) ``mesh_shape`` hybrid mesh (single process: its graphs, not its numbers)."""
     from fxshard.testing import fake_process_group
 
     with fake_process_group(math.prod(mesh_shape) if mesh_shape else world):
         torch._dynamo.reset()
         backend = fxshard.backend(stage=stage, mesh=hybrid_mesh(mesh_shape),
                                   **{"compiler": "eager", **backend_options})
-        model = _ledger_model(model_name)
+        with torch.device("meta" if on_meta else "cpu"):
+            model = _ledger_model(model_name)
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         batch = _ledger_batch(model_name, torch.Generator().manual_seed(0))
         loss_of(model_name, torch.compile(model, backend=backend, fullgraph=True), batch).backward()

@@ -104,6 +104,26 @@ def test_dynamic_shapes_name_the_batch_and_sequence_dimensions():
     assert {str(k): v for k, v in ledger.values.items() if k in (batch, seq)} == {"batch": 3, "seq": 10}
 
 
+B_MASTER, U = budget.B_MASTER, budget.U
+PREPARE_PEAK_BORN_ON_META = {0: B_MASTER * (U + PSI), 1: U * B_MASTER + B_PARAM * PSI + B_MASTER * PSI / N,
+                             2: U * B_MASTER + B_PARAM * PSI + B_MASTER * PSI / N, 3: B_MASTER * (U + PSI / N)}
+PREPARE_PEAK_BUILT_WHOLE = {0: B_MASTER * PSI, 1: B_MASTER * PSI + B_PARAM * PSI + B_MASTER * PSI / N,
+                            2: B_MASTER * PSI + B_PARAM * PSI + B_MASTER * PSI / N, 3: B_MASTER * (PSI + PSI / N)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_prepare_peak_is_what_the_stage_keeps_plus_the_largest_unit_or_the_whole_model(stage):
+    born_backend = scenarios.compiled_model("gpt", stage, on_meta=True)
+    born = budget.ledger(born_backend)
+    whole = budget.ledger(scenarios.compiled_model("gpt", stage))
+    assert sympy.simplify(born.closed_form(born.prepare_peak()) - PREPARE_PEAK_BORN_ON_META[stage]) == 0
+    assert sympy.simplify(whole.closed_form(whole.prepare_peak()) - PREPARE_PEAK_BUILT_WHOLE[stage]) == 0
+    block = sum(p.numel() for p in scenarios.build_model("gpt").blocks[0].parameters())  # larger than the embedding
+    assert born.values[U] == block
+    assert U not in whole.values
+    assert "prepare peak (born on meta)" in born_backend.report()
+
+
 def test_padding_is_exact_at_the_run_and_gone_in_the_closed_form(ledgers):
     ledger = ledgers[3]  # Chain: 77 + 143 + 65 = 285 elements, padded per parameter to 78 + 144 + 66 at N=2
     assert ledger.at(ledger.communicated("reduce_scatter")) == 4 * (78 + 144 + 66)

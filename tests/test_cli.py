@@ -28,6 +28,23 @@ def test_budget_text_labels_decimal_and_binary_units(capsys):
     assert "2.00 GB (1.86 GiB)" in out and "GiB = 2^30 bytes" in out
 
 
+def test_budget_prints_the_prepare_peak_of_a_model_built_on_meta_and_built_whole(capsys):
+    # 70B parameters on 8 ranks, bf16 compute copy and fp32 master, a block of 0.86B the largest unit: stage 3
+    # starts within 80 GB born on meta (its share 35 GB + one block 3.44 GB), never built whole (280 GB + share)
+    args = ["budget", "--params", "7e10", "--world", "8", "--stage", "0,3", "--unit-params", "8.6e8"]
+    assert main([*args, "--format", "json"]) == 0
+    rows = {r["stage"]: r for r in json.loads(capsys.readouterr().out)["stages"]}
+    assert rows[3]["prepare_meta_form"] == "4*U + 4*Ψ/N" and rows[3]["prepare_meta"] == pytest.approx(38.44e9)
+    assert rows[3]["prepare_whole_form"] == "4*Ψ + 4*Ψ/N" and rows[3]["prepare_whole"] == pytest.approx(315e9)
+    assert rows[0]["prepare_meta"] == pytest.approx(4 * (7e10 + 8.6e8)) and rows[0]["prepare_whole"] == 2.8e11
+    assert main(args) == 0
+    assert "38.44 GB (35.80 GiB)" in capsys.readouterr().out
+    assert main(["budget", "--params", "7e10", "--world", "8", "--stage", "3", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stages"][0]["prepare_meta"] is None  # U unknown: the form alone
+    assert main([*args[:-1], "8e10"]) == 2
+    assert "--unit-params" in capsys.readouterr().err
+
+
 def test_budget_rejects_bad_stages(capsys):
     assert main(["budget", "--params", "1e9", "--world", "8", "--stage", "0,4"]) == 2
     assert "stages are 0, 1, 2, 3" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 - ``symbols``: the algebra (ranks ``N``, element counts ``Ψ``/``ψ``, byte widths, ``Term``, ``Ledger``);
 - ``graph_terms``: the terms read off a rewritten graph; ``optimizer_terms``: the prepared optimizer's terms;
+- ``prepare_terms``: the worst point of building and preparing the model;
 - ``step_ledger``: a step's ledger put together from them (``ledger(backend)``, ``graph_ledger``);
 - ``formula``: closed forms a person can read (sums named, not expanded).
 
@@ -10,9 +11,9 @@ Everything a user needs for a budget is importable from here.
 
 from .optimizer_terms import optimizer_bytes
 from .step_ledger import graph_ledger, ledger, ledger_of_graphs, step_records
-from .symbols import B_GRAD, B_MASTER, B_PARAM, B_STATE, PSI, WIDTHS, ZERO_PAPER_WIDTHS, Ledger, N, R, psi
+from .symbols import B_GRAD, B_MASTER, B_PARAM, B_STATE, PSI, WIDTHS, ZERO_PAPER_WIDTHS, Ledger, N, R, U, psi
 
 __all__ = [
-    "B_GRAD", "B_MASTER", "B_PARAM", "B_STATE", "N", "PSI", "R", "WIDTHS", "ZERO_PAPER_WIDTHS", "Ledger",
+    "B_GRAD", "B_MASTER", "B_PARAM", "B_STATE", "N", "PSI", "R", "U", "WIDTHS", "ZERO_PAPER_WIDTHS", "Ledger",
     "graph_ledger", "ledger", "ledger_of_graphs", "optimizer_bytes", "psi", "step_records",
 ]

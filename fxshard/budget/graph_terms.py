@@ -126,7 +126,7 @@ class Sizes:
     def matching(self, numel: int, candidates: list[sympy.Expr]) -> sympy.Expr:
         """The first candidate that evaluates to ``numel`` here; the bare number if none does."""
         for expr in candidates:
-            if int(expr.subs(self.values)) == numel:
+            if sizes_at(expr, self.values) == numel:
                 return expr
         return sympy.Integer(numel)
 

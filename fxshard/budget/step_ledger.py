@@ -13,6 +13,8 @@ Nothing here is a table keyed by ZeRO stage. Every term comes from a node (or th
   saved for backward;
 - the gathered buffers (``wait`` of an all-gather, the per-parameter copies after it) alive at once, walked in
   graph order, give the transient peak under the schedule the passes chose;
+- the prepared model says whether prepare materialised it from the meta device and its largest unit: the prepare
+  peak (fxshard/budget/prepare_terms.py);
 - the prepared optimizer gives the tensors it updates (the master copy: the shard leaf, the stage-1 master shard,
   or the full parameter) and, from its class, the state kinds it keeps per element (Adam: ``exp_avg`` and
   ``exp_avg_sq``); where the master is not what the graph reads, its update is followed by an all-gather into the
@@ -50,6 +52,7 @@ from .graph_terms import (
     saved_activations,
 )
 from .optimizer_terms import optimizer_terms, step_peaks
+from .prepare_terms import prepare_terms
 from .symbols import (
     B_MASTER,
     B_PARAM,
@@ -169,6 +172,11 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
         terms += memory + comm
         peaks += step_peaks(comm, [t for t in terms if t.section == "memory" and t.item == "gradients"])
         schedule += [{**row, "bytes": sizes_at(t.bytes, sizes.values)} for row, t in zip(rows, comm)]
+    if model is not None:
+        from fxshard.runtime.prepare import materialised_units
+
+        terms += prepare_terms([t for t in terms if t.section == "memory"], materialised_units(model),
+                               [p.count for p in all_params.values()], sizes.values)
     # graphs and the step's buckets run one after the other: the step's worst point is the worst of theirs
     terms += max(peaks, key=lambda p: sum(sizes_at(t.bytes, sizes.values) for t in p))
     for width in WIDTHS:

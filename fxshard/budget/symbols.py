@@ -13,6 +13,7 @@ from fxshard.errors import FxShardError
 N = sympy.Symbol("N", positive=True, integer=True)
 R = sympy.Symbol("R", positive=True, integer=True)
 PSI = sympy.Symbol("Ψ", positive=True)
+U = sympy.Symbol("U", positive=True, integer=True)  # the elements of the largest unit prepare materialises at once
 B_PARAM, B_GRAD, B_MASTER, B_STATE = (sympy.Symbol(n, positive=True)
                                       for n in ("b_param", "b_grad", "b_master", "b_state"))
 WIDTHS = (B_PARAM, B_GRAD, B_MASTER, B_STATE)
@@ -41,7 +42,8 @@ class Term:
     """One line of the ledger: ``elements × width`` bytes of one kind, and where in the graphs it comes from."""
 
     section: str  # "memory" (resident between steps), "peak" (alive at the step's worst point besides the resident
-    # state without gradients), "saved" (activations forward saves for backward), "comm" (per step)
+    # state without gradients), "saved" (activations forward saves for backward), "comm" (per step), "prepare"
+    # (alive at prepare's worst point)
     item: str  # "master", "gradients", "exp_avg", "activations", "gathered", "all_gather", ...
     elements: sympy.Expr
     width: sympy.Expr
@@ -86,6 +88,11 @@ class Ledger:
         between_steps = [t.bytes for t in self.select("memory") if t.item != "gradients"]
         return sympy.Add(*between_steps, *(t.bytes for t in self.select("peak")))
 
+    def prepare_peak(self) -> sympy.Expr:
+        """Bytes per rank at the worst point of building and preparing the model: the parameters prepare leaves
+        plus the largest unit materialised whole (born on the meta device) or the whole model (built whole)."""
+        return sympy.Add(*(t.bytes for t in self.select("prepare")))
+
     def peak_at(self) -> str:
         """Where the peak is: the graph and node."""
         return next((t.source for t in self.select("peak") if t.item == "peak point"), "")
@@ -113,12 +120,12 @@ class Ledger:
         """``expr`` evaluated at this run's sizes (Ψ is the sum of the ψ), overridden by name: ``N=64``,
         ``b_param=2``, ``Ψ=7.5e9``."""
         values = {**self.values, PSI: sum(self.values.get(c, 0) for c in self.params.values())}
-        known = {s.name: s for s in [N, R, PSI, *WIDTHS, *values]}
+        known = {s.name: s for s in [N, R, PSI, U, *WIDTHS, *values]}
         for name, value in sizes.items():
             if name not in known:
                 raise FxShardError(f"the ledger has no symbol {name!r}; it has {sorted(known)}")
             values[known[name]] = value
-        result = sympy.sympify(expr).subs(values)
+        result = sympy.sympify(sympy.sympify(expr).xreplace(values))  # a bare symbol's value is a Python number
         if not result.is_number:
             raise FxShardError(f"cannot evaluate {expr}: no value for {sorted(map(str, result.free_symbols))}")
         return int(result) if result == int(result) else float(result)
@@ -126,13 +133,6 @@ class Ledger:
     def closed_form(self, expr: sympy.Expr) -> sympy.Expr:
         """``expr`` assuming N divides every parameter (no padding), the per-parameter counts summed into Ψ."""
         return closed_form(expr, list(self.params.values()))
-
-
-def _symbol_named(ledger: Ledger, symbol: sympy.Symbol) -> sympy.Symbol:
-    for known in [N, R, *WIDTHS, *ledger.values]:
-        if known.name == symbol.name:
-            return known
-    return symbol
 
 
 def closed_form(expr: sympy.Expr, counts: list[sympy.Symbol]) -> sympy.Expr:
@@ -145,4 +145,6 @@ def closed_form(expr: sympy.Expr, counts: list[sympy.Symbol]) -> sympy.Expr:
 
 
 def sizes_at(expr: sympy.Expr, values: dict) -> int:
-    return int(sympy.sympify(expr).subs(values))
+    # xreplace: one walk of the tree with a lookup per symbol, where subs tries every key of ``values`` in turn (a
+    # ledger has a ψ per parameter: subs made a 110M-parameter GPT's ledger take half a minute)
+    return int(sympy.sympify(expr).xreplace(values))

@@ -83,6 +83,9 @@ def ledger_rows(ledger: budget.Ledger, measured=None, sums: SumNames | None = No
     add("memory", "resident total", ledger.resident())
     add("memory", "mixed-precision accounting", ledger.mixed_precision())
     add("memory", f"peak ({ledger.peak_at()})", ledger.peak())
+    if ledger.select("prepare"):
+        born = "born on meta" if budget.U in ledger.values else "built whole"
+        add("memory", f"prepare peak ({born})", ledger.prepare_peak())
     saved = ledger.select("saved")
     if saved:
         add("memory", "saved activations", sympy.Add(*(t.bytes for t in saved)))
@@ -130,6 +133,9 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
                 cell.append("" if r["measured"] is None else int(r["measured"]))
         parts.append(("\n" if index else "") + tabulate(cells, headers=headers))
     parts.append("ψ[x]: the elements of parameter x, or of all the parameters of module x; Ψ: of the whole model")
+    largest_unit = next((t.source for t in ledger.select("prepare", "largest unit")), None)
+    if largest_unit:
+        parts.append(f"U: the elements of the largest unit prepare materialised ({largest_unit.split(',')[0]})")
     parts.extend(sums.legend())
     if ledger.schedule:
         parts.append("\ncollective schedule (graph order)")

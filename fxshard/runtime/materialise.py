@@ -127,7 +127,7 @@ def materialise_unit_by_unit(model: nn.Module, init: InitFn | None,
     try:
         for module in _children_first(model):
             path = paths[id(module)]
-            block = next((b for b in blocks if path == b or path.startswith(b + ".")), None)
+            block = _block_of(path, blocks)
             slots = _materialised(module, path, pending, kept)
             pending.extend(slots)
             if slots or block is not None:
@@ -141,6 +141,23 @@ def materialise_unit_by_unit(model: nn.Module, init: InitFn | None,
         for module, name, meta in replaced_buffers:
             module._buffers[name] = meta
         raise
+
+
+def unit_sizes(model: nn.Module, blocks: tuple[str, ...] = ()) -> dict[str, int]:
+    """{unit: parameter elements it holds real at once}, for the units ``materialise_unit_by_unit`` goes through:
+    each of ``blocks``, and every other module that owns parameters. A parameter shared inside a unit counts once; a
+    tied parameter counts in each unit that owns it (a later owner initialises a scratch copy)."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    held: dict[str, dict[int, int]] = {}
+    for module in _children_first(model):
+        path = paths[id(module)]
+        unit = held.setdefault(_block_of(path, blocks) or path, {})
+        unit.update({id(p): p.numel() for p in module._parameters.values() if p is not None})
+    return {unit: sum(params.values()) for unit, params in held.items() if params}
+
+
+def _block_of(path: str, blocks: tuple[str, ...]) -> str | None:
+    return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
 
 
 def _children_first(model: nn.Module) -> list[nn.Module]:

@@ -33,7 +33,14 @@ from fxshard.passes.context import COLLECTIVE_TIMEOUT_S
 
 from .groups import collective_group
 from .layout import full_from_value, gather_full, rows_of_full, shard_from_value, sharded_value
-from .materialise import InitFn, born_on_meta, default_device, materialise_unit_by_unit, share_random_state
+from .materialise import (
+    InitFn,
+    born_on_meta,
+    default_device,
+    materialise_unit_by_unit,
+    share_random_state,
+    unit_sizes,
+)
 from .ops import unshard
 from .sharding import ShardSpec, shard_of
 
@@ -41,6 +48,7 @@ _SPECS = "_fxshard_specs"  # module attribute: {parameter attribute name: ShardS
 _PATH = "_fxshard_path"  # module attribute: the module's qualified name in the prepared model
 _RESIDENT = "_fxshard_full_"  # buffer name prefix of a stage-2 parameter's resident full copy
 _GRAD_SYNC = "_fxshard_grad_sync"  # module attribute: the model's GradSync
+_UNITS = "_fxshard_units"  # the prepared model's attribute, born on meta: {unit: parameter elements materialised}
 
 
 @dataclasses.dataclass
@@ -94,6 +102,12 @@ def spec_of(param: torch.Tensor) -> ShardSpec | None:
 def sharded_world_size(model: nn.Module) -> int | None:
     """The ranks ``model``'s parameters are sharded over (a hybrid mesh's shard dimension), or None unprepared."""
     return next((spec.world_size for p in model.parameters() if (spec := spec_of(p)) is not None), None)
+
+
+def materialised_units(model: nn.Module) -> dict[str, int]:
+    """{unit: parameter elements it held real at once} for a model prepare materialised from the meta device, one
+    unit at a time; {} for a model that came to prepare built whole."""
+    return dict(getattr(model, _UNITS, {}))
 
 
 def is_prepared(model: nn.Module) -> bool:
@@ -318,6 +332,7 @@ def shard_parameters(
             leaves[id(meta)] = REPLACED_BY_SHARD[meta] = leaf
 
         materialise_unit_by_unit(model, param_init_fn, keep, device, init_units)
+        model.__dict__[_UNITS] = unit_sizes(model, init_units)
     else:
         if param_init_fn is not None or device is not None:
             raise FxShardError(
