@@ -12,6 +12,7 @@ from fxshard.runtime.sharding import shard_of
 from fxshard.testing import rank_and_world
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+PLAIN = GPTConfig(gpt2_init=False)  # torch's per-layer init: per module, in module order
 
 def prepare_a_large_model_on_meta(stage: int) -> dict:
     """Build examples/large_model_memory.py's LARGE GPT on the meta device, prepare it at ``stage`` (ranks seeded
@@ -37,27 +38,23 @@ def prepare_a_large_model_on_meta(stage: int) -> dict:
     return {"peak": peak, "mismatched": mismatched, "whole": sum(p.numel() for p in reference.parameters()) * 4}
 
 
-def train_born_on_meta_and_built(stage: int, steps: int = 3) -> dict:
-    """The plain GPT trained ``steps`` compiled AdamW steps twice: built on the meta device (the optimizer built
-    over the meta parameters, as FSDP2 users write it) and built normally; the losses of each step."""
+def train_born_on_meta_and_built(stage: int, steps: int = 3, mesh_shape: tuple | None = None) -> dict:
+    """The plain GPT trained ``steps`` compiled AdamW steps twice (on a hybrid mesh of ``mesh_shape``): built on the
+    meta device (the optimizer built over the meta parameters, as FSDP2 users write it) and built normally; the
+    losses of each step."""
     from examples.models import gpt_batch
 
     rank, _ = rank_and_world()
-    config = GPTConfig(gpt2_init=False)
     losses = {}
     for born in ("meta", "cpu"):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        with torch.device(born):
-            model = GPT(config)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        backend = fxshard.backend(compiler="eager", stage=stage)
-        model, opt = backend.prepare(model, opt)
+        backend, model, opt = _gpt_on(born, stage, mesh_shape=mesh_shape)
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         generator = torch.Generator().manual_seed(rank)
         losses[born] = []
         for _ in range(steps):
-            loss = compiled(*gpt_batch(config, 4, generator))
+            loss = compiled(*gpt_batch(PLAIN, 4, generator))
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -129,3 +126,73 @@ def huggingface_round_trip(directory: str, stage: int) -> dict:
                                                           and torch.equal(before[k], v))]
     return {"mismatched": mismatched, "errors": errors, "unchanged": unchanged,
             "files": sorted(p.name for p in (root / "consolidated").iterdir())}
+
+
+def _gpt_on(born: str, stage: int, config: GPTConfig = PLAIN, mesh_shape: tuple | None = None):
+    """A GPT of ``config`` built on ``born`` ("meta" or "cpu") and prepared at ``stage`` (on a hybrid mesh of
+    ``mesh_shape``), with AdamW built over its parameters before prepare: (backend, model, optimizer)."""
+    from scenarios import hybrid_mesh
+
+    with torch.device(born):
+        model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = fxshard.backend(compiler="eager", stage=stage, mesh=hybrid_mesh(mesh_shape))
+    model, opt = backend.prepare(model, opt)
+    return backend, model, opt
+
+
+def _full_optimizer(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from fxshard.checkpoint import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+
+
+def save_a_trained_gpt(directory: str, stage: int) -> dict:
+    """The plain GPT built whole, trained one compiled step and saved with ``fxshard.checkpoint.save``; its full
+    model and optimizer state."""
+    from examples.models import gpt_batch
+    from fxshard.checkpoint import save
+
+    rank, _ = rank_and_world()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backend, model, opt = _gpt_on("cpu", stage)
+    batch = gpt_batch(PLAIN, 4, torch.Generator().manual_seed(rank))
+    torch.compile(model, backend=backend, fullgraph=True)(*batch).backward()
+    opt.step()
+    save(model, opt, f"{directory}/step-1")
+    return {"model": _full(model), "optim": _full_optimizer(model, opt)}
+
+
+def load_into_a_meta_born_gpt(directory: str, stage: int) -> dict:
+    """A meta-born GPT, prepared (its optimizer not stepped yet), loads the checkpoint ``save_a_trained_gpt``
+    wrote; a meta-born GPT of another width refuses it and keeps its values. Full states and the refusal."""
+    from fxshard.checkpoint import load
+
+    torch.manual_seed(1)
+    _, model, opt = _gpt_on("meta", stage)
+    load(model, opt, f"{directory}/step-1")
+    _, wider, wider_opt = _gpt_on("meta", stage, GPTConfig(d_model=48, gpt2_init=False))
+    before = _full(wider)
+    try:
+        load(wider, wider_opt, f"{directory}/step-1")
+        error = ""
+    except fxshard.FxShardError as refused:
+        error = str(refused)
+    unchanged = all(torch.equal(v, before[k]) for k, v in _full(wider).items())
+    return {"model": _full(model), "optim": _full_optimizer(model, opt), "error": error, "unchanged": unchanged}
+
+
+def load_a_sharded_export(directory: str, stage: int) -> dict:
+    """``huggingface_round_trip``'s sharded export (written by other ranks) loaded into a meta-born GPT-2 here:
+    the parameters that differ from the source model's."""
+    from fxshard.checkpoint import load_huggingface
+
+    torch.manual_seed(5)
+    expected = _tiny_gpt2().state_dict()
+    model = _meta_gpt2(stage)
+    load_huggingface(model, f"{directory}/sharded")
+    loaded = _full(model)
+    return {"mismatched": [k for k, v in expected.items() if not torch.equal(loaded[k], v)]}

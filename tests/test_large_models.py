@@ -7,12 +7,12 @@ from torch import nn
 import fxshard
 import large_model_scenarios
 from examples.large_model_memory import ledger_prepare_peak, start
-from examples.models import GPT, GPTConfig
+from examples.models import GPT
 from fxshard.runtime.prepare import spec_of
 from fxshard.runtime.sharding import shard_of
 from fxshard.testing import fake_process_group
 
-PLAIN = GPTConfig(gpt2_init=False)  # torch's per-layer init: per module, in module order
+PLAIN = large_model_scenarios.PLAIN
 
 
 def _held(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -186,3 +186,60 @@ def test_a_huggingface_checkpoint_loads_into_a_meta_born_model_and_exports_both_
         assert "transformer.wte.weight has shape [64, 48] there, [64, 32] here" in wider
         assert "holds no .safetensors file" in missing
         assert result["unchanged"]
+    for rank, result in enumerate(pools(3).run(large_model_scenarios.load_a_sharded_export, str(tmp_path), stage)):
+        assert result["mismatched"] == [], rank  # the sharded export of 2 ranks, read by 3
+
+
+class _MaskHolder(nn.Module):
+    """A module whose boolean buffer its parent initialises."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.register_buffer("mask", torch.ones(size, size, dtype=torch.bool).tril(), persistent=False)
+
+
+class _MaskedLayer(nn.Module):
+    def __init__(self, size: int = 4):
+        super().__init__()
+        self.proj, self.holder = nn.Linear(size, size), _MaskHolder(size)
+
+    def reset_parameters(self):  # the child's buffer, written from here
+        self.holder.mask.copy_(torch.ones_like(self.holder.mask).tril())
+
+
+def test_a_buffer_a_blocks_module_initialises_for_its_child_is_accepted():
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        reference = nn.Sequential(_MaskedLayer(), _MaskedLayer())
+        with torch.device("meta"):
+            model = nn.Sequential(_MaskedLayer(), _MaskedLayer())
+        torch.manual_seed(0)
+        model, _ = fxshard.backend(compiler="eager", stage=3).prepare(model)
+        for index in range(2):
+            assert torch.equal(model[index].holder.mask, torch.ones(4, 4, dtype=torch.bool).tril())
+        held = _held(model)
+        for name, value in _expected(reference, held).items():
+            assert torch.equal(held[name], value), name
+
+
+def test_a_meta_built_gpt_trains_on_a_hybrid_mesh_as_the_normally_built_one(pools):
+    for losses in pools(4).run(large_model_scenarios.train_born_on_meta_and_built, 3, 2, (2, 2)):
+        assert losses["meta"] == losses["cpu"]
+
+
+def _same_tree(a, b) -> bool:
+    leaves_a, spec_a = torch.utils._pytree.tree_flatten(a)
+    leaves_b, spec_b = torch.utils._pytree.tree_flatten(b)
+    return spec_a == spec_b and all(torch.equal(x, y) if torch.is_tensor(x) else x == y
+                                    for x, y in zip(leaves_a, leaves_b))
+
+
+def test_a_dcp_checkpoint_loads_into_a_meta_born_model_at_another_world_size(pools, tmp_path):
+    """Saved at world 2 from a model built whole and trained a step; loaded at world 3 into meta-born models whose
+    optimizer never stepped: the same model and optimizer state; a model of another width refuses it unchanged."""
+    saved = pools(2).run(large_model_scenarios.save_a_trained_gpt, str(tmp_path), 3)[0]
+    for rank, result in enumerate(pools(3).run(large_model_scenarios.load_into_a_meta_born_gpt, str(tmp_path), 3)):
+        assert _same_tree(result["model"], saved["model"]), rank
+        assert _same_tree(result["optim"], saved["optim"]), rank
+        assert "is not a checkpoint of this model" in result["error"] and "has shape" in result["error"], rank
+        assert result["unchanged"], rank

@@ -75,14 +75,6 @@ def share_random_state(groups, device: torch.device) -> None:
     torch.set_rng_state(state)
 
 
-def _why_unwritten(module: nn.Module, init: InitFn | None) -> str:
-    if init is not None:
-        return f"param_init_fn({type(module).__name__}) left it unwritten"
-    if callable(getattr(module, "reset_parameters", None)):
-        return f"{type(module).__name__}.reset_parameters() left it unwritten"
-    return f"{type(module).__name__} has no reset_parameters()"
-
-
 def _run_init(module: nn.Module, init: InitFn | None) -> None:
     if init is not None:
         init(module)
@@ -120,21 +112,19 @@ def materialise_unit_by_unit(model: nn.Module, init: InitFn | None,
     (on ``device``) goes to ``keep(meta_param, full)`` once, when its first owner's unit is done, and is dropped
     after; the modules keep their meta parameters (prepare lays them out). Buffers become real on ``device``. On
     FxShardError the model is left as it was (on meta)."""
-    paths = {id(m): path for path, m in model.named_modules()}
     pending: list[_Slot] = []
     kept: set[int] = set()
     replaced_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
     try:
-        for module in _children_first(model):
-            path = paths[id(module)]
-            block = _block_of(path, blocks)
-            slots = _materialised(module, path, pending, kept)
-            pending.extend(slots)
-            if slots or block is not None:
-                _initialise(module, slots, init)
-            if block is None or block == path:  # the unit is done
-                _finish_unit(pending, init, keep, device, replaced_buffers)
-                pending.clear()
+        for unit, modules in _units(model, blocks):
+            for path, module in modules:
+                pending.extend(_materialised(module, path, pending, kept))
+            in_block = unit in blocks
+            initialised = [m for _, m in modules if in_block or any(s.module is m for s in pending)]
+            if initialised:
+                _initialise(initialised, pending, init)
+            _finish_unit(pending, init, keep, device, replaced_buffers)
+            pending.clear()
     except BaseException:
         for slot in pending:
             (slot.module._parameters if slot.is_param else slot.module._buffers)[slot.name] = slot.meta
@@ -144,20 +134,30 @@ def materialise_unit_by_unit(model: nn.Module, init: InitFn | None,
 
 
 def unit_sizes(model: nn.Module, blocks: tuple[str, ...] = ()) -> dict[str, int]:
-    """{unit: parameter elements it holds real at once}, for the units ``materialise_unit_by_unit`` goes through:
-    each of ``blocks``, and every other module that owns parameters. A parameter shared inside a unit counts once; a
-    tied parameter counts in each unit that owns it (a later owner initialises a scratch copy)."""
+    """{unit: parameter elements it holds real at once}, for the units ``materialise_unit_by_unit`` goes through
+    that own parameters. A parameter shared inside a unit counts once; a tied parameter counts in each unit that
+    owns it (a later owner initialises a scratch copy)."""
+    sizes = {}
+    for unit, modules in _units(model, blocks):
+        params = {id(p): p.numel() for _, m in modules for p in m._parameters.values() if p is not None}
+        if params:
+            sizes[unit] = sum(params.values())
+    return sizes
+
+
+def _units(model: nn.Module, blocks: tuple[str, ...]) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+    """The units in the order they are materialised: (name, [(path, module), ...] children first), a block with
+    every module inside it, any other module alone."""
     paths = {id(m): path for path, m in model.named_modules()}
-    held: dict[str, dict[int, int]] = {}
+    units: list[tuple[str, list[tuple[str, nn.Module]]]] = []
     for module in _children_first(model):
         path = paths[id(module)]
-        unit = held.setdefault(_block_of(path, blocks) or path, {})
-        unit.update({id(p): p.numel() for p in module._parameters.values() if p is not None})
-    return {unit: sum(params.values()) for unit, params in held.items() if params}
-
-
-def _block_of(path: str, blocks: tuple[str, ...]) -> str | None:
-    return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
+        unit = next((b for b in blocks if path == b or path.startswith(b + ".")), path)
+        if units and units[-1][0] == unit:  # a block's modules come one after another, children first
+            units[-1][1].append((path, module))
+        else:
+            units.append((unit, [(path, module)]))
+    return units
 
 
 def _children_first(model: nn.Module) -> list[nn.Module]:
@@ -194,21 +194,24 @@ def _materialised(module: nn.Module, path: str, pending: list[_Slot], kept: set[
     return slots
 
 
-def _initialise(module: nn.Module, slots: list[_Slot], init: InitFn | None) -> None:
-    """Fill ``slots`` (NaN, or a first value where a dtype has none) and run ``module``'s init. Tensors without NaN
-    are initialised twice, from two fills and the same random state, and must come out alike."""
+def _initialise(modules: list[nn.Module], slots: list[_Slot], init: InitFn | None) -> None:
+    """Fill the unit's ``slots`` (NaN, or a first value where a dtype has none) and run each of ``modules``' init in
+    turn. Tensors without NaN are initialised twice, from two fills and the same random state, and must come out
+    alike: checked once the whole unit ran, as a block's module may write another's tensors."""
     plain = [s for s in slots if not (s.real.is_floating_point() or s.real.is_complex())]
     second = None
     if plain:
         state = torch.get_rng_state()
         for slot in slots:
             _fill(slot.real, first=False)
-        _run_init(module, init)
+        for module in modules:
+            _run_init(module, init)
         second = [s.real.clone() for s in plain]
         torch.set_rng_state(state)
     for slot in slots:
         _fill(slot.real, first=True)
-    _run_init(module, init)
+    for module in modules:
+        _run_init(module, init)
     for slot, other in zip(plain, second or ()):
         if not torch.equal(slot.real, other):
             raise _unwritten(slot, init)
@@ -231,10 +234,16 @@ def _finish_unit(slots: list[_Slot], init: InitFn | None, keep, device, replaced
 
 def _unwritten(slot: _Slot, init: InitFn | None) -> FxShardError:
     module = type(slot.module).__name__
+    if init is not None:
+        why = f"param_init_fn({module}) left it unwritten"
+    elif callable(getattr(slot.module, "reset_parameters", None)):
+        why = f"{module}.reset_parameters() left it unwritten"
+    else:
+        why = f"{module} has no reset_parameters()"
     return FxShardError(
         f"{'parameter' if slot.is_param else 'buffer'} {slot.path} (shape {list(slot.real.shape)}) of a model built "
-        f"on the meta device was not initialised: {_why_unwritten(slot.module, init)}. Give {module} a "
-        "reset_parameters() that initialises every tensor it owns, or pass backend.prepare(..., param_init_fn=fn) "
-        "where fn(module) does (HuggingFace: param_init_fn=model._init_weights); a buffer computed in __init__ (a "
-        "causal mask, a rotary table) must be computed there too"
+        f"on the meta device was not initialised: {why}. Give {module} a reset_parameters() that initialises every "
+        "tensor it owns, or pass backend.prepare(..., param_init_fn=fn) where fn(module) does (HuggingFace: "
+        "param_init_fn=model._init_weights); a buffer computed in __init__ (a causal mask, a rotary table) must be "
+        "computed there too"
     )
