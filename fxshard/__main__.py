@@ -10,9 +10,10 @@
 running it: it compiles a small stand-in (bias-free linear layers whose backward reads every weight, the ZeRO paper's
 assumption) for each stage under a fake process group, takes the ledger's closed form from those graphs and
 evaluates it at your sizes, with the peak of building and preparing the model (built on the meta device: its
-share plus the largest unit, ``--unit-params`` elements, e.g. one transformer block; built whole). ``--mesh RxS`` is hybrid sharding: R replica groups of S ranks (e.g. 8 nodes of 8
-GPUs, 8x8); stages 1-3 shard over S and send each gradient shard across the R replicas, stage 0 all-reduces over
-all R*S ranks, and the bytes sent are split into the two dimensions.
+share plus the largest unit, ``--unit-params`` elements, e.g. one transformer block; built whole). ``--mesh RxS``
+is hybrid sharding: R replica groups of S ranks (e.g. 8 nodes of 8 GPUs, 8x8); stages 1-3 shard over S and send
+each gradient shard across the R replicas, stage 0 all-reduces over all R*S ranks, and the bytes sent are split into
+the two dimensions.
 
 ``report`` runs a training script in this process (under ``torchrun``, once per rank)
 and prints each prepared backend's ledger beside the collective bytes measured in its last optimizer step (the
@@ -94,7 +95,7 @@ def budget_rows(params: float, world: int, stages: list[int], optimizer: str, wi
     the parameters (mixed precision) the compute copy is counted apart from it. The prepare peak of the model
     built on the meta device (``prepare_meta``, evaluated where ``unit_params``, the largest unit's elements, is
     given) and built whole (``prepare_whole``)."""
-    from fxshard.budget.prepare_terms import prepare_terms
+    from fxshard.budget.prepare_terms import built_whole_terms
 
     rows = []
     for stage in stages:
@@ -116,14 +117,13 @@ def budget_rows(params: float, world: int, stages: list[int], optimizer: str, wi
         for name, ranks in (("sent", None), ("sent_shard", budget.N), ("sent_replicas", budget.R)):
             sent = ledger.closed_form(ledger.communicated(moved=True, ranks=ranks))
             row.update({name: float(sent.subs(values)), f"{name}_form": str(sympy.factor(sent.subs(widths)))})
-        counts = list(ledger.params.values())
-        whole = prepare_terms(ledger.select("memory"), {}, counts, dict(ledger.values))
+        whole = built_whole_terms(ledger.select("memory"), list(ledger.params.values()))
         for name, form in (("prepare_meta", ledger.prepare_peak()),
                            ("prepare_whole", sympy.Add(*(t.bytes for t in whole)))):
             closed = ledger.closed_form(form).subs(widths)
             row[f"{name}_form"] = str(sympy.expand(closed))
-            known = closed.subs(values) if budget.U not in closed.free_symbols or unit_params else None
-            row[name] = None if known is None else float(known.subs(budget.U, unit_params or 0))
+            unknown = budget.U in closed.free_symbols and unit_params is None
+            row[name] = None if unknown else float(closed.subs({**values, budget.U: unit_params or 0}))
         rows.append(row)
     return rows
 

@@ -14,10 +14,11 @@ from fxshard.testing import rank_and_world
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 PLAIN = GPTConfig(gpt2_init=False)  # torch's per-layer init: per module, in module order
 
+
 def prepare_a_large_model_on_meta(stage: int) -> dict:
     """Build examples/large_model_memory.py's LARGE GPT on the meta device, prepare it at ``stage`` (ranks seeded
     apart: prepare takes the first rank's random state) and measure the resident peak it took; then compare this
-    rank's shards with a normal CPU build of the same seed, bit for bit, and read the ledger's prepare peak."""
+    rank's shards with a normal CPU build of the same seed, bit for bit."""
     rank, world = rank_and_world()
     # The pool's ranks ran other tests before: with glibc's mmap threshold fixed at 1 MiB every large tensor is a
     # mapping of its own, so the peak is prepare's, not that of holes earlier work left in the heap.

@@ -21,20 +21,21 @@ import sympy
 from .symbols import B_MASTER, U, Term
 
 
-def prepare_terms(memory: list[Term], units: dict[str, int], counts: list[sympy.Symbol],
-                  values: dict[sympy.Symbol, int]) -> list[Term]:
-    """The prepare terms from the step's resident ``memory`` terms, the units prepare materialised (``{}``: the
-    model came built whole) and every parameter's element count; records ``U``'s value in ``values``."""
-    kept = [t for t in memory if t.item in ("master", "compute copy")]
-    if not units:
-        built = Term("prepare", "model built whole", sympy.Add(*counts), B_MASTER, "the model as built before prepare")
-        kept = [t for t in kept if t.item != "master" or t.elements.has(sympy.ceiling)]  # shards and copies are new
-        return _kept(kept) + [built]
-    largest = max(units, key=units.get)
-    values[U] = units[largest]
-    return _kept(kept) + [Term("prepare", "largest unit", U, B_MASTER,
-                               f"unit {largest or '(the root module)'}, materialised whole, one unit at a time")]
+def born_on_meta_terms(memory: list[Term], largest_unit: str) -> list[Term]:
+    """The prepare terms of a model materialised from the meta device, ``largest_unit`` (``U`` elements) the
+    largest unit, from the step's resident ``memory`` terms."""
+    return _kept(memory) + [Term("prepare", "largest unit", U, B_MASTER, f"unit {largest_unit or '(the root module)'}")]
 
 
-def _kept(terms: list[Term]) -> list[Term]:
-    return [dataclasses.replace(t, section="prepare", item="parameters kept") for t in terms]
+def built_whole_terms(memory: list[Term], counts: list[sympy.Symbol]) -> list[Term]:
+    """The prepare terms of a model that came to prepare built whole (``counts``: every parameter's elements),
+    from the step's resident ``memory`` terms."""
+    new = [t for t in memory if t.item != "master" or t.elements.has(sympy.ceiling)]  # shards and copies are new
+    return _kept(new) + [Term("prepare", "model built whole", sympy.Add(*counts), B_MASTER,
+                              "the model as built before prepare")]
+
+
+def _kept(memory: list[Term]) -> list[Term]:
+    """What prepare leaves: the parameters in their stage's layout."""
+    return [dataclasses.replace(t, section="prepare", item="parameters kept")
+            for t in memory if t.item in ("master", "compute copy")]

@@ -52,10 +52,11 @@ from .graph_terms import (
     saved_activations,
 )
 from .optimizer_terms import optimizer_terms, step_peaks
-from .prepare_terms import prepare_terms
+from .prepare_terms import born_on_meta_terms, built_whole_terms
 from .symbols import (
     B_MASTER,
     B_PARAM,
+    U,
     WIDTHS,
     Ledger,
     Term,
@@ -175,8 +176,13 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
     if model is not None:
         from fxshard.runtime.prepare import materialised_units
 
-        terms += prepare_terms([t for t in terms if t.section == "memory"], materialised_units(model),
-                               [p.count for p in all_params.values()], sizes.values)
+        memory, units = [t for t in terms if t.section == "memory"], materialised_units(model)
+        if units:
+            largest = max(units, key=units.get)
+            sizes.values[U] = units[largest]
+            terms += born_on_meta_terms(memory, largest)
+        else:
+            terms += built_whole_terms(memory, [p.count for p in all_params.values()])
     # graphs and the step's buckets run one after the other: the step's worst point is the worst of theirs
     terms += max(peaks, key=lambda p: sum(sizes_at(t.bytes, sizes.values) for t in p))
     for width in WIDTHS:

@@ -84,7 +84,7 @@ def ledger_rows(ledger: budget.Ledger, measured=None, sums: SumNames | None = No
     add("memory", "mixed-precision accounting", ledger.mixed_precision())
     add("memory", f"peak ({ledger.peak_at()})", ledger.peak())
     if ledger.select("prepare"):
-        born = "born on meta" if budget.U in ledger.values else "built whole"
+        born = "born on meta" if ledger.select("prepare", "largest unit") else "built whole"
         add("memory", f"prepare peak ({born})", ledger.prepare_peak())
     saved = ledger.select("saved")
     if saved:
@@ -133,9 +133,8 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
                 cell.append("" if r["measured"] is None else int(r["measured"]))
         parts.append(("\n" if index else "") + tabulate(cells, headers=headers))
     parts.append("ψ[x]: the elements of parameter x, or of all the parameters of module x; Ψ: of the whole model")
-    largest_unit = next((t.source for t in ledger.select("prepare", "largest unit")), None)
-    if largest_unit:
-        parts.append(f"U: the elements of the largest unit prepare materialised ({largest_unit.split(',')[0]})")
+    for largest_unit in ledger.select("prepare", "largest unit"):
+        parts.append(f"U: the elements of the largest unit prepare materialised whole ({largest_unit.source})")
     parts.extend(sums.legend())
     if ledger.schedule:
         parts.append("\ncollective schedule (graph order)")

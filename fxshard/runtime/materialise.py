@@ -105,13 +105,15 @@ class _Slot:
 @torch.no_grad()
 def materialise_unit_by_unit(model: nn.Module, init: InitFn | None,
                              keep: Callable[[nn.Parameter, torch.Tensor], None], device: torch.device,
-                             blocks: tuple[str, ...] = ()) -> None:
+                             blocks: tuple[str, ...] = ()) -> dict[str, int]:
     """Materialise and initialise ``model``'s meta tensors unit by unit (see the module's docstring): a unit is one of
     ``blocks`` (module names: every module inside initialises with the block's tensors real, so an init that reaches
     into a child, as GPT-2's scaled ``c_proj`` init does, sees it), or else one module. Each parameter's full value
     (on ``device``) goes to ``keep(meta_param, full)`` once, when its first owner's unit is done, and is dropped
     after; the modules keep their meta parameters (prepare lays them out). Buffers become real on ``device``. On
-    FxShardError the model is left as it was (on meta)."""
+    FxShardError the model is left as it was (on meta). Returns {unit: parameter elements it held real at once}
+    for the units that own parameters (a tied parameter's later owner holds a scratch copy: counted there too)."""
+    held: dict[str, int] = {}
     pending: list[_Slot] = []
     kept: set[int] = set()
     replaced_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
@@ -123,6 +125,9 @@ def materialise_unit_by_unit(model: nn.Module, init: InitFn | None,
             initialised = [m for _, m in modules if in_block or any(s.module is m for s in pending)]
             if initialised:
                 _initialise(initialised, pending, init)
+            elements = sum({id(s.real): s.real.numel() for s in pending if s.is_param}.values())
+            if elements:
+                held[unit] = elements
             _finish_unit(pending, init, keep, device, replaced_buffers)
             pending.clear()
     except BaseException:
@@ -131,18 +136,7 @@ def materialise_unit_by_unit(model: nn.Module, init: InitFn | None,
         for module, name, meta in replaced_buffers:
             module._buffers[name] = meta
         raise
-
-
-def unit_sizes(model: nn.Module, blocks: tuple[str, ...] = ()) -> dict[str, int]:
-    """{unit: parameter elements it holds real at once}, for the units ``materialise_unit_by_unit`` goes through
-    that own parameters. A parameter shared inside a unit counts once; a tied parameter counts in each unit that
-    owns it (a later owner initialises a scratch copy)."""
-    sizes = {}
-    for unit, modules in _units(model, blocks):
-        params = {id(p): p.numel() for _, m in modules for p in m._parameters.values() if p is not None}
-        if params:
-            sizes[unit] = sum(params.values())
-    return sizes
+    return held
 
 
 def _units(model: nn.Module, blocks: tuple[str, ...]) -> list[tuple[str, list[tuple[str, nn.Module]]]]:

@@ -33,14 +33,7 @@ from fxshard.passes.context import COLLECTIVE_TIMEOUT_S
 
 from .groups import collective_group
 from .layout import full_from_value, gather_full, rows_of_full, shard_from_value, sharded_value
-from .materialise import (
-    InitFn,
-    born_on_meta,
-    default_device,
-    materialise_unit_by_unit,
-    share_random_state,
-    unit_sizes,
-)
+from .materialise import InitFn, born_on_meta, default_device, materialise_unit_by_unit, share_random_state
 from .ops import unshard
 from .sharding import ShardSpec, shard_of
 
@@ -331,8 +324,7 @@ def shard_parameters(
                             shards.pop(id(meta), None))
             leaves[id(meta)] = REPLACED_BY_SHARD[meta] = leaf
 
-        materialise_unit_by_unit(model, param_init_fn, keep, device, init_units)
-        model.__dict__[_UNITS] = unit_sizes(model, init_units)
+        model.__dict__[_UNITS] = materialise_unit_by_unit(model, param_init_fn, keep, device, init_units)
     else:
         if param_init_fn is not None or device is not None:
             raise FxShardError(
