@@ -13,6 +13,7 @@ and its pass pipeline; the passes themselves are ``fxshard.passes``), ``checkpoi
 # helpers while the budget pass uses the ledger. The names report and simulate are then rebound from the packages
 # to the functions; the packages stay importable as fxshard.report and fxshard.simulate.
 from .api import Backend, backend, backend_of, default_passes, report  # noqa: I001
+from . import checkpoint  # the docs' fxshard.checkpoint.save / load / latest after a plain `import fxshard`
 from .errors import FxShardError
 from .runtime.ops import reduce_grad, unshard
 from .simulate.simulator import simulate

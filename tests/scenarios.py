@@ -71,12 +71,14 @@ def loss_of(model_name: str, model, batch) -> torch.Tensor:
 def train_against_reference(
     model_name: str, optimizer: str, steps: int = 5, compiled: bool = True, compiler: str = "eager", stage: int = 3,
     clip: float | None = None, compile_step: bool = False, device: str = "cpu", mesh_shape: tuple | None = None,
+    halve_lr_each_step: bool = False,
 ) -> dict:
     """Train a prepared model (this rank's slice of each global batch) beside a single-process reference that
     sees the whole global batch; return both models' full parameters before and after, the graphs compiled and
     the collectives of the last step (and, with ``clip``, the gradient norms each clipped by). ``compile_step``
     compiles ``opt.step`` with the same backend. ``device``: where both models train (``"cuda"``: this rank's GPU);
-    what is returned is on the CPU. ``mesh_shape``: (replicas, shards) of a hybrid-sharding mesh over every rank."""
+    what is returned is on the CPU. ``mesh_shape``: (replicas, shards) of a hybrid-sharding mesh over every rank.
+    ``halve_lr_each_step``: both optimizers get an LR scheduler, the prepared one's built before prepare."""
     from fxshard.report.measure import CollectiveCounter
 
     rank, world = rank_and_world()
@@ -85,7 +87,10 @@ def train_against_reference(
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer(optimizer, reference.parameters())
     backend = fxshard.backend(stage=stage, compiler=compiler, mesh=hybrid_mesh(mesh_shape, device))
-    model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
+    users_opt = make_optimizer(optimizer, model.parameters())
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5**step)
+                  for o in (users_opt, reference_opt) if halve_lr_each_step]
+    model, opt = backend.prepare(model, users_opt)
     run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
     step = torch.compile(opt.step, backend=backend) if compile_step else opt.step
     generator = torch.Generator().manual_seed(1)
@@ -104,11 +109,14 @@ def train_against_reference(
             reference_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item())
         reference_opt.step()
         reference_opt.zero_grad()
+        for scheduler in schedulers:
+            scheduler.step()
     on_cpu = functools.partial(torch.utils._pytree.tree_map_only, torch.Tensor, lambda t: t.cpu())
     return on_cpu({
         "norms": norms,
         "reference_norms": reference_norms,
         "initial": initial,
+        "prepare_kept_the_optimizer": opt is users_opt,
         "final": full_state(model),
         "expected": reference.state_dict(),
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
@@ -266,6 +274,7 @@ def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int 
         reference_opt.zero_grad()
     return {
         "initial": initial,
+        "prepare_kept_the_optimizer": opt is users_opt,
         "final": full_state(model),
         "expected": reference.state_dict(),
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),

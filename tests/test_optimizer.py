@@ -23,6 +23,16 @@ def test_clip_grad_norm_is_the_whole_models_norm(pools, stage):
         assert_matches_reference(result, "sgd")
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_lr_scheduler_built_before_prepare_schedules_the_training(pools, stage):
+    # LambdaLR over the user's optimizer, then prepare: the LR halves every step, as on one process, because
+    # prepare lays the shards out in the same optimizer object the scheduler holds
+    for result in pools(2).run(scenarios.train_against_reference, "mlp", "adamw", STEPS, stage=stage,
+                               halve_lr_each_step=True):
+        assert result["prepare_kept_the_optimizer"]
+        assert_matches_reference(result, "adamw")
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_sharded_optimizer_state_dict_resumes_training_exactly(pools, stage):
     results = pools(2).run(scenarios.resume_from_checkpoint, stage)

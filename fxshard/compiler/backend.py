@@ -127,7 +127,8 @@ class Backend:
     # -- preparing ----------------------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                 param_init_fn=None, device=None):
-        """Shard ``model``'s parameters over the group in place; returns ``(model, optimizer over the shards)``.
+        """Shard ``model``'s parameters over the group in place; returns ``(model, optimizer)``, the
+        optimizer regrouped in place over what this rank updates (a scheduler built on it before keeps working).
 
         A model built under ``torch.device("meta")`` (with its optimizer built over the meta parameters) is never
         whole: each module's parameters are materialised on the CPU in turn, initialised by ``param_init_fn(module)``

@@ -1,4 +1,4 @@
-"""The optimizer ``prepare`` returns: same class and hyperparameters, over what this rank updates.
+"""The optimizer ``prepare`` returns: the user's own object, its groups now over what this rank updates.
 
 | stage | the optimizer updates | its step also |
 |---|---|---|
@@ -85,39 +85,55 @@ def _same_kind(optimizer: torch.optim.Optimizer, params_of: dict[int, torch.Tens
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
+def _regroup_in_place(optimizer: torch.optim.Optimizer, params_of: dict[int, torch.Tensor], state: dict) -> None:
+    """``optimizer`` now holds ``params_of[id(p)]`` for each of its parameters ``p``, and ``state``. Its group dicts
+    and its state dict stay the same objects: an LR scheduler, a GradScaler or a hook built on the optimizer before
+    prepare reads and writes them, and keeps working."""
+    for group in optimizer.param_groups:
+        group["params"] = [params_of[id(p)] for p in group["params"]]
+    optimizer.state.clear()
+    optimizer.state.update(state)
+
+
 def shard_optimizer_over(
     optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter], grad_sync: GradSync, bucket_bytes: int
 ) -> torch.optim.Optimizer:
-    """A new optimizer of the same class and hyperparameters over what this rank updates (shard leaves; full
-    parameters for stage 0; for stage 1 the model's full parameters, stepping an inner optimizer over their master
-    shards: :class:`MasterStep`), existing state laid out the same way, with the stage's ``ShardedStep``
-    (collectives packed in buckets of up to ``bucket_bytes``) hooked around the update."""
+    """``optimizer`` itself, now over what this rank updates (shard leaves; full parameters for stage 0; for stage 1
+    the model's full parameters, stepping an inner optimizer over their master shards: :class:`MasterStep`), its
+    existing state laid out the same way, with the stage's ``ShardedStep`` (collectives packed in buckets of up to
+    ``bucket_bytes``) hooked around the update."""
     _check_optimizer(optimizer, leaves)
     stage = spec_of(next(iter(leaves.values()))).stage if leaves else 3
     updated = {key: MASTER_OF[leaf] if stage == 1 else leaf for key, leaf in leaves.items()}
-    sharded = _same_kind(optimizer, updated)
-    for param, state in optimizer.state.items():
+    state = {}
+    for param, param_state in optimizer.state.items():
         target = updated[id(param)]
         spec = spec_of(target)
-        sharded.state[target] = {
+        state[target] = {
             key: shard_of(value, spec)
             if stage >= 1 and torch.is_tensor(value) and tuple(value.shape) == spec.full_shape else value
-            for key, value in state.items()
+            for key, value in param_state.items()
         }
-    step = ShardedStep(stage, list(leaves.values()), grad_sync, bucket_bytes)
-    setattr(sharded, _SHARDED_STEP, step)
-    sharded.register_step_pre_hook(step.settle_gradients)
-    sharded.register_step_post_hook(step.publish_parameters)
-    returned = sharded if stage != 1 else _same_kind(optimizer, leaves)
-    setattr(returned, _SHARDED_STEP, step)
-    returned.add_param_group = functools.partial(_refuse_new_param_group, stage)  # its own, over the class's
-    # state_dict(): shards as DTensors of the parameters' full shapes; load_state_dict(): back to this rank's shards
-    returned.register_state_dict_pre_hook(optimizer_state_dict.optimizer_state_dict_pre_hook)
-    returned.register_state_dict_post_hook(optimizer_state_dict.optimizer_state_dict_post_hook)
-    returned.register_load_state_dict_pre_hook(optimizer_state_dict.optimizer_load_state_dict_pre_hook)
     if stage == 1:
-        MasterStep(returned, sharded)
-    return returned
+        updating = _same_kind(optimizer, updated)
+        updating.state.update(state)
+        _regroup_in_place(optimizer, leaves, {})
+    else:
+        updating = optimizer
+        _regroup_in_place(optimizer, updated, state)
+    step = ShardedStep(stage, list(leaves.values()), grad_sync, bucket_bytes)
+    setattr(updating, _SHARDED_STEP, step)
+    updating.register_step_pre_hook(step.settle_gradients)
+    updating.register_step_post_hook(step.publish_parameters)
+    setattr(optimizer, _SHARDED_STEP, step)
+    optimizer.add_param_group = functools.partial(_refuse_new_param_group, stage)  # its own, over the class's
+    # state_dict(): shards as DTensors of the parameters' full shapes; load_state_dict(): back to this rank's shards
+    optimizer.register_state_dict_pre_hook(optimizer_state_dict.optimizer_state_dict_pre_hook)
+    optimizer.register_state_dict_post_hook(optimizer_state_dict.optimizer_state_dict_post_hook)
+    optimizer.register_load_state_dict_pre_hook(optimizer_state_dict.optimizer_load_state_dict_pre_hook)
+    if stage == 1:
+        MasterStep(optimizer, updating)
+    return optimizer
 
 
 def _refuse_new_param_group(stage: int, param_group: dict) -> None:
