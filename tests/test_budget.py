@@ -219,3 +219,40 @@ def test_the_report_says_which_knobs_were_chosen_and_why():
     chosen = [line for line in report.splitlines() if line.endswith("<- chosen")]
     assert [line.split(":")[0].strip() for line in chosen] == ["graph 0 forward", "graph 0 backward"]
     assert all('bucket="auto", prefetch=1, max_inflight_gathers=2' in line and " ms, " in line for line in chosen)
+
+class TiedAcrossABreak(torch.nn.Module):
+    """An embedding and the head that shares its weight, in two Dynamo graphs (as HuggingFace models break on
+    ``logger.warning_once``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(96, 16)
+        self.mix = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 96, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        x = self.mix(self.emb(tokens))
+        torch._dynamo.graph_break()
+        return self.head(torch.tanh(x)).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_weight_tied_across_a_graph_break_is_held_once(stage):
+    from fxshard.runtime.prepare import FULL_COPY_OF
+    from fxshard.testing import fake_process_group
+
+    with fake_process_group(2):
+        torch._dynamo.reset()
+        backend = fxshard.backend(compiler="eager", stage=stage)
+        model = TiedAcrossABreak()
+        model, _ = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        torch.compile(model, backend=backend)(torch.randint(0, 96, (4, 8))).backward()
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+        copies = [FULL_COPY_OF[p] for p in model.parameters() if p in FULL_COPY_OF]  # stage 2's, forward reads
+        params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *copies])
+    ledger = budget.ledger(backend)
+    assert len({r.graph_id for r in backend.graphs}) == 2
+    assert ledger.at(sympy.Add(*(t.bytes for t in ledger.select("memory", "gradients")))) == grads
+    held = [*ledger.select("memory", "master"), *ledger.select("memory", "compute copy")]
+    assert ledger.at(sympy.Add(*(t.bytes for t in held))) == params

@@ -316,9 +316,11 @@ def saved_activations(forward: fx.GraphModule, sizes: Sizes) -> list[Term]:
 
 
 def gradient_terms(backward: fx.GraphModule, params: dict[int, Param], sizes: Sizes,
-                   produced: dict[fx.Node, sympy.Expr]) -> list[Term]:
+                   produced: dict[fx.Node, sympy.Expr], held: set[str]) -> list[Term]:
     """The backward graph's output gradient of each trainable leaf: full (ψ) or a shard (ceiling(ψ/N)); records
-    each output node's expression in ``produced``."""
+    each output node's expression in ``produced``. A leaf named in ``held`` already has its gradient from an earlier
+    graph (a weight tied across a graph break): this graph's accumulates into the same ``.grad``, no new term.
+    Adds the names it counts to ``held``."""
     output = next(iter(backward.graph.find_nodes(op="output")))
     values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     terms = []
@@ -328,9 +330,12 @@ def gradient_terms(backward: fx.GraphModule, params: dict[int, Param], sizes: Si
             continue
         param, tensor = params[idx], value.meta["val"]
         elements = sizes.matching(size_hint(tensor.numel()), [param.count, shard(param.count)])
+        produced[value] = elements
+        if param.name in held:
+            continue
+        held.add(param.name)
         width = width_of(tensor, B_GRAD, sizes.values)
         terms.append(Term("memory", "gradients", elements, width, f"backward: {value.name}"))
-        produced[value] = elements
     return terms
 
 

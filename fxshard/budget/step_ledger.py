@@ -129,15 +129,17 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
     names = _names_from_model(model)
     terms, schedule, copies = [], [], []
     all_params: dict[str, Param] = {}
-    sizes, peaks = None, []
+    sizes, peaks, with_gradients = None, [], set()
     for graph_id, graphs in sorted(step_records(records).items()):
         if "joint" not in graphs or "forward" not in graphs or "backward" not in graphs:
             continue
         params = parameters_of_joint(graphs["joint"])
         _rename(params, names, optimizer)
+        # a parameter an earlier graph read too (a weight tied across a graph break) is one tensor, held once
+        first_read = [p for p in params.values() if p.name not in all_params]
         all_params.update({p.name: p for p in params.values()})
         sizes = Sizes(all_params.values(), world_size) if sizes is None else merge_sizes(sizes, params.values())
-        for param in params.values():
+        for param in first_read:
             if param.reads in ("resident", "plain"):  # a full copy the graph reads, not what the optimizer updates
                 read = f"graph {graph_id} reads {param.name}"
                 terms.append(Term("memory", "compute copy", param.count, B_PARAM, read))
@@ -145,7 +147,7 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
                 read = param.count if param.reads == "local" else shard(param.count)
                 terms.append(Term("memory", "master", read, B_MASTER, f"graph {graph_id}: {param.name}"))
         produced: dict[fx.Node, sympy.Expr] = {}
-        terms += gradient_terms(graphs["backward"], params, sizes, produced)
+        terms += gradient_terms(graphs["backward"], params, sizes, produced, with_gradients)
         terms += saved_activations(graphs["forward"], sizes)
         for kind in ("forward", "backward"):
             comm, rows = collective_terms(graphs[kind], f"graph {graph_id} {kind}", sizes)
