@@ -67,7 +67,7 @@ def _stand_in_ledger(stage: int, optimizer: str, hybrid: bool = False) -> budget
             return x
 
     with fake_process_group(4 if hybrid else 2):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         with torch.device("meta"):  # prepare materialises it: the ledger has the prepare peak of a born-sharded model
             model = StandIn()
         kwargs = {"momentum": 0.9} if optimizer in ("sgd",) else {}

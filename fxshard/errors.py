@@ -1,6 +1,6 @@
 """The one exception type fxshard raises for misuse."""
 
-from torch._dynamo.exc import ShortenTraceback
+from fxshard.torch_compat import ShortenTraceback
 
 
 class FxShardError(ShortenTraceback):

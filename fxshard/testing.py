@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from fxshard.torch_compat import OpOverload
+
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
            torch.int64: "i64", torch.int32: "i32", torch.bool: "b8"}
 
@@ -46,7 +48,7 @@ def _target_name(node: fx.Node) -> str:
     if node.op != "call_function":
         return node.op
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         namespace = target.namespace.replace("_c10d_functional", "c10d")
         return f"{namespace}.{target._opname}"
     return getattr(target, "__name__", str(target))
@@ -146,7 +148,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: fl
     )
     while (task := tasks.get()) is not None:
         fn, args, kwargs = task
-        torch._dynamo.reset()
+        torch.compiler.reset()
         try:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # every failure must reach the test, never a hang

@@ -25,7 +25,7 @@ import time
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten
+from fxshard.torch_compat import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from .fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
@@ -48,8 +48,8 @@ def node_flops(node: fx.Node) -> int:
     formula = flop_registry.get(key) or flop_registry.get(target)
     if formula is None or node.meta.get("val") is None:
         return 0
-    args = torch.utils._pytree.tree_map(_values, node.args)
-    kwargs = torch.utils._pytree.tree_map(_values, node.kwargs)
+    args = tree_map(_values, node.args)
+    kwargs = tree_map(_values, node.kwargs)
     try:
         return size_hint(formula(*args, out_val=node.meta["val"], **kwargs))
     except Exception:  # a formula that rejects these arguments (shapes it does not expect): count no FLOPs

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from fxshard.torch_compat import OpOverload, detect_fake_mode, traced_size
 
 ROOT_UNIT = "root"
 # meta["fxshard"]["role"] of the nodes lower_collectives_pass makes that communicate
@@ -26,13 +26,13 @@ def size_hint(value: int | torch.SymInt) -> int:
     length. Good for estimates (bytes, costs); a decision that must hold for every size has to come from the
     expression (``value.node.expr``) instead."""
     if isinstance(value, torch.SymInt):
-        return int(optimization_hint(value))
+        return traced_size(value)
     return int(value)
 
 
 def is_view(node: fx.Node) -> bool:
     """Whether ``node`` is an op whose schema says it returns a view of its input (``view``, ``t``, ``slice``...)."""
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+    return node.op == "call_function" and isinstance(node.target, OpOverload) and node.target.is_view
 
 
 def replica_ranks(node: fx.Node) -> int | None:

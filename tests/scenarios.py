@@ -274,7 +274,6 @@ def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int 
         reference_opt.zero_grad()
     return {
         "initial": initial,
-        "prepare_kept_the_optimizer": opt is users_opt,
         "final": full_state(model),
         "expected": reference.state_dict(),
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),

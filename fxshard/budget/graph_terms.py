@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
+from fxshard.torch_compat import LocalSource, SavedForBackwardsAOTOutput, TensorProperty, TensorPropertySource
 
 from .symbols import B_GRAD, B_PARAM, N, R, Term, psi, shard, sizes_at
 
@@ -110,8 +111,6 @@ class Sizes:
     def _size_symbol(self, symbol: sympy.Symbol, shape_env) -> sympy.Symbol:
         """``batch`` for dim 0 of a model input, ``seq`` for dim 1, ``<input>_dim<k>`` beyond (suffixed with
         torch's name where two sizes would share one); torch's own name where Dynamo recorded no input for it."""
-        from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
-
         name = symbol.name
         for source in shape_env.var_to_sources.get(symbol, []):
             if (isinstance(source, TensorPropertySource) and source.prop is TensorProperty.SIZE
@@ -236,8 +235,6 @@ def live_peak(gm: fx.GraphModule, graph: str, sizes: Sizes, grads: dict[fx.Node,
 
 
 def _saved_outputs(gm: fx.GraphModule) -> set[fx.Node]:
-    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
-
     output = next(iter(gm.graph.find_nodes(op="output")))
     values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     descs = output.meta.get("desc") or [None] * len(values)
@@ -298,8 +295,6 @@ def _column_expr(clone: fx.Node, sizes: Sizes) -> sympy.Expr:
 
 def saved_activations(forward: fx.GraphModule, sizes: Sizes) -> list[Term]:
     """Forward outputs saved for backward that are not graph inputs (those are parameters or the batch)."""
-    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
-
     output = next(iter(forward.graph.find_nodes(op="output")))
     values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     terms = []

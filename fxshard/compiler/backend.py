@@ -11,8 +11,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import fx, nn
-from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxshard import passes as P
@@ -33,6 +31,7 @@ from fxshard.runtime.optim import (
 from fxshard.runtime.prepare import grad_sync_of, shard_parameters, sharded_world_size, spec_of, updating_optimizer
 from fxshard.simulate import autotune
 from fxshard.simulate.simulator import Machine, default_machine
+from fxshard.torch_compat import aot_module_simplified, make_boxed_func, min_cut_rematerialization_partition
 
 from .blocks import block_prefixes, describe_grouping, repeated_blocks
 from .consistency import check_same_schedule, prepare_check_group

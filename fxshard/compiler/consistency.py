@@ -52,6 +52,7 @@ from torch import fx
 
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES, marker_args, replica_ranks
+from fxshard.torch_compat import OpOverload
 
 GRAPH_KINDS = ("forward", "backward", "inference")
 KEY_PREFIX = "fxshard/schedule"  # keys in the process group's store: <prefix>/<group>/<check index>/<rank>
@@ -93,7 +94,7 @@ def _is_collective(node: fx.Node) -> bool:
     if node.meta.get("fxshard", {}).get("role") in COLLECTIVE_ROLES:
         return True
     target = node.target  # a collective the user's own code put in the graph must match across ranks too
-    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
+    return (isinstance(target, OpOverload) and target.namespace == "_c10d_functional"
             and target._opname != "wait_tensor")
 
 

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from torch import fx
 
+from fxshard.torch_compat import (
+    inductor_backward,
+    inductor_compiler_config,
+    inductor_decompositions,
+    inductor_forward,
+    model_outputs,
+)
+
 
 class InductorCompiler:
     """Compiles the graphs AOT derives from one Dynamo graph with Inductor, as ``torch.compile(backend="inductor")``
@@ -16,24 +24,13 @@ class InductorCompiler:
     """
 
     def __init__(self, dynamo_gm: fx.GraphModule, example_inputs):
-        from torch._inductor import compile_fx
-        from torch._inductor.decomposition import select_decomp_table
-
-        self.decompositions = select_decomp_table()
-        self._extra = compile_fx.create_compiler_config_extra(dynamo_gm)
-        self._num_outputs = compile_fx.get_num_model_outputs(dynamo_gm)
+        self.decompositions = inductor_decompositions()
+        self._config = inductor_compiler_config(dynamo_gm)
+        self._num_outputs = model_outputs(dynamo_gm)
         self._num_inputs = len(example_inputs)
 
     def compile(self, kind: str, gm: fx.GraphModule, example_inputs):
-        from torch._inductor import compile_fx
-
         if kind == "backward":
-            return compile_fx.compile_fx_backward(gm, example_inputs, compiler_config_extra=self._extra)
-        return compile_fx.compile_fx_forward(
-            gm,
-            example_inputs,
-            num_orig_model_outputs=self._num_outputs,
-            num_example_inputs=self._num_inputs,
-            compiler_config_extra=self._extra,
-            is_inference=kind == "inference",
-        )
+            return inductor_backward(gm, example_inputs, config=self._config)
+        return inductor_forward(gm, example_inputs, model_outputs=self._num_outputs, model_inputs=self._num_inputs,
+                                config=self._config, inference=kind == "inference")

@@ -25,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fxshard.errors import FxShardError
+from fxshard.torch_compat import profiled_ops
 
 _KINDS = {
     "_c10d_functional::all_gather_into_tensor": "all_gather",
@@ -56,7 +57,7 @@ class CollectiveCounter:
         self._profile.__enter__()
         return self
 
-    @torch._dynamo.disable  # a hook inside a compiled optimizer.step: a traced record_function would be dropped
+    @torch.compiler.disable  # a hook inside a compiled optimizer.step: a traced record_function would be dropped
     def mark_step(self) -> None:
         """End a step: the collectives recorded from here on belong to the next one."""
         with record_function(_STEP_MARK):
@@ -65,13 +66,12 @@ class CollectiveCounter:
     def __exit__(self, *exc) -> None:
         self._profile.__exit__(*exc)
         step = 0
-        for event in sorted(self._profile.events(), key=lambda e: e.time_range.start):
-            if event.name == _STEP_MARK:
+        for op in profiled_ops(self._profile):
+            if op.name == _STEP_MARK:
                 step += 1
-            elif (kind := _KINDS.get(event.name)) is not None:
-                elements = math.prod(event.input_shapes[0])
-                self.records.append(CollectiveRecord(kind, elements, elements * _ITEM_BYTES[event.input_dtypes[0]],
-                                                     step))
+            elif (kind := _KINDS.get(op.name)) is not None:
+                elements = math.prod(op.input_shapes[0])
+                self.records.append(CollectiveRecord(kind, elements, elements * _ITEM_BYTES[op.input_dtypes[0]], step))
 
     def totals(self, step: int | None = None) -> dict[str, dict[str, int]]:
         """Calls, elements and bytes by kind: of every record, or of one step (``-1``: the last completed one)."""

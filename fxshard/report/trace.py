@@ -25,7 +25,8 @@ import json
 import logging
 
 from torch import fx
-from torch._logging._internal import register_log, trace_log, trace_structured
+
+from fxshard.torch_compat import register_log, trace_log, trace_structured
 
 register_log("fxshard", ["fxshard"])
 log = logging.getLogger("fxshard")

@@ -19,12 +19,12 @@ import math
 
 import torch
 from torch import nn
-from torch._dynamo.source import ConstantSource
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import unit_of
+from fxshard.torch_compat import ConstantSource
 
 from . import optimizer_state_dict
 from .groups import peer_failures_explained
@@ -179,14 +179,14 @@ class MasterStep:
         self.inner.step()
         self.after_update()
 
-    @torch._dynamo.disable  # bookkeeping between Python objects, outside any compiled step graph
+    @torch.compiler.disable  # bookkeeping between Python objects, outside any compiled step graph
     def copy_hyperparameters(self) -> None:
         for outer_group, inner_group in zip(self.outer.param_groups, self.inner.param_groups):
             for key, value in outer_group.items():
                 if key != "params" and inner_group.get(key) is not value:
                     inner_group[key] = value
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def after_update(self) -> None:
         # a master's gradient lives from the reduce-scatter to the update: the next step must not see it again
         for _, master in self.pairs:
@@ -256,7 +256,7 @@ class ShardedStep:
                  for shard, dtype in zip(shards, dtypes)]
         return [[shards[i] for i in bucket] for bucket in pack_greedily(sizes, self.bucket_bytes, dtypes)]
 
-    @torch._dynamo.disable  # eager even inside a compiled step: gradients are new tensors every step
+    @torch.compiler.disable  # eager even inside a compiled step: gradients are new tensors every step
     @torch.no_grad()
     @peer_failures_explained("optimizer.step()")
     def settle_gradients(self, optimizer=None, args=None, kwargs=None) -> None:
@@ -271,7 +271,7 @@ class ShardedStep:
             for bucket in self.buckets("reduce_scatter", masters):
                 _reduce_scatter_into_masters(bucket)
 
-    @torch._dynamo.disable  # a compiled step publishes inside its graph (shard_optimizer_pass); this is the eager path
+    @torch.compiler.disable  # a compiled step publishes inside its graph (shard_optimizer_pass); this is the eager path
     @torch.no_grad()
     @peer_failures_explained("optimizer.step()")
     def publish_parameters(self, optimizer=None, args=None, kwargs=None) -> None:

@@ -30,6 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxshard.errors import FxShardError
 from fxshard.passes.context import COLLECTIVE_TIMEOUT_S
+from fxshard.torch_compat import tree_map
 
 from .groups import collective_group
 from .layout import full_from_value, gather_full, rows_of_full, shard_from_value, sharded_value
@@ -199,7 +200,7 @@ def _refuse_conversion(module: nn.Module, apply, fn, recurse: bool = True):
     return apply(fn, recurse)
 
 
-@torch._dynamo.disable  # compiled, the hook's frame would become a graph of its own beside the model's
+@torch.compiler.disable  # compiled, the hook's frame would become a graph of its own beside the model's
 def _cast_floating_inputs(dtype: torch.dtype, module, args, kwargs):
     """Mixed precision: floating-point inputs of the model enter in the compute dtype (FSDP2's
     ``cast_forward_inputs``), so a float input meets weights of its own dtype. A compiled module runs its hooks
@@ -207,7 +208,7 @@ def _cast_floating_inputs(dtype: torch.dtype, module, args, kwargs):
     def cast(value):
         return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
 
-    return torch.utils._pytree.tree_map(cast, (args, kwargs))
+    return tree_map(cast, (args, kwargs))
 
 
 def _resolve_group(group):

@@ -1,0 +1,105 @@
+"""Every private torch API fxshard calls, in one module that knows torch 2.11 to 2.15.
+
+fxshard lives on torch's internals (Dynamo's sources, AOTAutograd's descriptors and partitioner, Inductor's
+per-graph entry points, the profiler's events), which move between releases. The rest of fxshard and the passes
+import them from here, so a new torch release is one file to read. Where releases differ:
+
+| what | 2.11 | 2.13, 2.15 |
+|---|---|---|
+| a SymInt's hint | ``symbolic_shapes.size_hint`` | ``symbolic_shapes.optimization_hint`` |
+| Inductor's forward/backward config | ``create_compiler_config_extra(inductor.config)`` | ``...(dynamo_gm)`` |
+| a profiled op's input dtypes | not on ``FunctionEvent`` | ``FunctionEvent.input_dtypes`` |
+
+The profiler's raw events (``kineto_results``) carry shapes and dtypes on every release, so ``profiled_ops`` reads
+those and needs no branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+from torch._dynamo.exc import ShortenTraceback
+from torch._dynamo.source import ConstantSource, LocalSource, TensorProperty, TensorPropertySource
+from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._guards import detect_fake_mode
+from torch._logging._internal import register_log, trace_log, trace_structured
+from torch._ops import OpOverload
+from torch.fx.experimental import symbolic_shapes
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
+
+# The releases the suite passes on (``make test-torch TORCH=...``); pyproject.toml's range says the same.
+TESTED_TORCH = ("2.11", "2.13", "2.15")
+
+__all__ = [
+    "ConstantSource", "LocalSource", "OpOverload", "ProfiledOp", "SavedForBackwardsAOTOutput", "ShortenTraceback",
+    "TESTED_TORCH", "TensorProperty", "TensorPropertySource", "aot_module_simplified", "detect_fake_mode",
+    "inductor_backward", "inductor_compiler_config", "inductor_decompositions", "inductor_forward",
+    "make_boxed_func", "model_outputs", "min_cut_rematerialization_partition", "profiled_ops",
+    "register_log", "trace_log", "trace_structured", "traced_size", "tree_flatten", "tree_map", "tree_map_only",
+]
+
+_hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
+
+
+def traced_size(value: torch.SymInt) -> int:
+    """The size ``value`` had in the example inputs it was traced with, without adding a guard."""
+    return int(_hint(value))
+
+
+def inductor_decompositions() -> dict:
+    """The decomposition table Inductor lowers with (AOT must decompose the joint graph with the same one)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_compiler_config(dynamo_gm: torch.fx.GraphModule):
+    """What Inductor's forward and backward entry points share about one Dynamo graph (cudagraphs, graph id,
+    forward device): built from the graph since torch 2.12, from Inductor's config module before."""
+    from torch._inductor import compile_fx
+    from torch._inductor import config as inductor_config
+
+    create = compile_fx.create_compiler_config_extra
+    takes_config = "config" in inspect.signature(create).parameters
+    return create(inductor_config if takes_config else dynamo_gm)
+
+
+def inductor_forward(gm, example_inputs, *, model_outputs: int, model_inputs: int, config, inference: bool):
+    """Inductor's forward (or inference) graph entry point, as ``torch.compile(backend="inductor")`` calls it."""
+    from torch._inductor import compile_fx
+
+    return compile_fx.compile_fx_forward(gm, example_inputs, num_orig_model_outputs=model_outputs,
+                                         num_example_inputs=model_inputs, compiler_config_extra=config,
+                                         is_inference=inference)
+
+
+def inductor_backward(gm, example_inputs, *, config):
+    from torch._inductor import compile_fx
+
+    return compile_fx.compile_fx_backward(gm, example_inputs, compiler_config_extra=config)
+
+
+def model_outputs(dynamo_gm: torch.fx.GraphModule) -> int:
+    """How many outputs the user's (Dynamo's) graph returns, as Inductor counts them."""
+    from torch._inductor import compile_fx
+
+    return compile_fx.get_num_model_outputs(dynamo_gm)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfiledOp:
+    name: str
+    start_ns: int
+    input_shapes: list
+    input_dtypes: list  # the C++ type names: "float", "c10::BFloat16", ...
+
+
+def profiled_ops(profiled: torch.profiler.profile) -> list[ProfiledOp]:
+    """The CPU ops a finished ``torch.profiler.profile(record_shapes=True)`` recorded, in the order they began."""
+    events = profiled.profiler.kineto_results.events()
+    ops = [ProfiledOp(e.name(), e.start_ns(), e.shapes(), e.dtypes()) for e in events]
+    return sorted(ops, key=lambda op: op.start_ns)
