@@ -100,7 +100,7 @@ def train(args: argparse.Namespace) -> None:
     say(backend.report())
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--world-size", type=int, default=2)
@@ -113,7 +113,11 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save checkpoints into DIR/step_<N>")
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     run_ranks(train, args, args.world_size)
 
 

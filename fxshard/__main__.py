@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import pathlib
@@ -48,6 +49,7 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
               "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}
 
 
+@functools.cache  # its terms are symbolic in Ψ, N and R: one compile per stage serves every size asked in a process
 def _stand_in_ledger(stage: int, optimizer: str, hybrid: bool = False) -> budget.Ledger:
     """The ledger of a 3-layer bias-free linear chain, compiled for ``stage`` on a fake world of 2 ranks (``hybrid``:
     of 4, a 2x2 mesh)."""

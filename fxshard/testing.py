@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fxshard.torch_compat import OpOverload
+from fxshard.torch_compat import OpOverload, fake_store
 
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
            torch.int64: "i64", torch.int32: "i32", torch.bool: "b8"}
@@ -108,11 +108,9 @@ def fake_process_group(world_size: int = 2, rank: int = 0):
     Enough to prepare a model and compile it (the collectives run but return garbage), so graph snapshots of a
     world of any size run in single-process CI.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("fake_process_group: a process group is already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield dist.group.WORLD
     finally:

@@ -17,9 +17,11 @@ those and needs no branch.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch._dynamo.exc import ShortenTraceback
 from torch._dynamo.source import ConstantSource, LocalSource, TensorProperty, TensorPropertySource
 from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
@@ -35,12 +37,18 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 TESTED_TORCH = ("2.11", "2.13", "2.15")
 
 __all__ = [
-    "ConstantSource", "LocalSource", "OpOverload", "ProfiledOp", "SavedForBackwardsAOTOutput", "ShortenTraceback",
+    "ConstantSource", "LocalSource", "c10d_functional", "OpOverload", "ProfiledOp", "SavedForBackwardsAOTOutput", "ShortenTraceback",
     "TESTED_TORCH", "TensorProperty", "TensorPropertySource", "aot_module_simplified", "detect_fake_mode",
     "inductor_backward", "inductor_compiler_config", "inductor_decompositions", "inductor_forward",
     "make_boxed_func", "model_outputs", "min_cut_rematerialization_partition", "profiled_ops",
     "register_log", "trace_log", "trace_structured", "traced_size", "tree_flatten", "tree_map", "tree_map_only",
+    "dcp_flat_keys", "default_store", "fake_store", "flatten_optimizer_state_dict", "gloo_threads",
+    "gloo_with_options", "is_backend_registered", "resolve_group",
 ]
+
+# The functional collectives' op namespace: what fxshard's graphs hold (all_gather_into_tensor, reduce_scatter_tensor,
+# all_reduce, all_to_all_single, wait_tensor). Its name is private; its ops have been stable since torch 2.3.
+c10d_functional = torch.ops._c10d_functional
 
 _hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
 
@@ -103,3 +111,61 @@ def profiled_ops(profiled: torch.profiler.profile) -> list[ProfiledOp]:
     events = profiled.profiler.kineto_results.events()
     ops = [ProfiledOp(e.name(), e.start_ns(), e.shapes(), e.dtypes()) for e in events]
     return sorted(ops, key=lambda op: op.start_ns)
+
+
+# --- torch.distributed internals ---------------------------------------------------------------------------------
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The live process group registered under ``group_name``; RuntimeError or ValueError once it is destroyed."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def default_store() -> dist.Store:
+    """The store the default process group was built on (every rank of the job reaches it)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def is_backend_registered(name: str) -> bool:
+    return name.upper() in dist.Backend._plugins
+
+
+def gloo_with_options(store, rank: int, world_size: int, *, timeout: datetime.timedelta, threads: int):
+    """A gloo backend with ``threads`` worker threads: init_process_group and new_group take no gloo options, so
+    the options object (private on every release) is filled in here."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._threads = threads
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def gloo_threads(group: dist.ProcessGroup) -> int | None:
+    """How many worker threads ``group``'s CPU backend runs, if it is gloo (None: not gloo, or no CPU backend)."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:  # no CPU backend (NCCL only)
+        return None
+    return backend.options._threads if isinstance(backend, dist.ProcessGroupGloo) else None
+
+
+def flatten_optimizer_state_dict(state_dict: dict) -> dict:
+    """``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``'s layout of an optimizer state dict."""
+    from torch.distributed.checkpoint.state_dict import _flatten_optim_state_dict
+
+    return _flatten_optim_state_dict(state_dict)
+
+
+def dcp_flat_keys(state_dict: dict) -> dict:
+    """The flat keys DCP stores a nested state dict under (``optim.state.fc1.weight.exp_avg``), with their values."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state_dict)
+    return flat
+
+
+def fake_store() -> dist.Store:
+    """The store torch's single-process ``fake`` backend is initialised with."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

@@ -39,13 +39,14 @@ import torch
 from torch import fx
 
 from fxshard.runtime.ops import REDUCE_GRAD, UNSHARD
+from fxshard.torch_compat import c10d_functional
 
 from .context import PassContext
 from .fx_utils import COLLECTIVE_ROLES, fxshard_meta, marker_args, position, refresh_fake_values, unit_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-c10d = torch.ops._c10d_functional
+c10d = c10d_functional
 
 
 def gathers_shards(marker: fx.Node) -> bool:

@@ -55,10 +55,10 @@ import dataclasses
 import heapq
 import operator
 
-import torch
 from torch import fx
 
 from fxshard.errors import FxShardError
+from fxshard.torch_compat import c10d_functional
 
 from .context import PassContext
 from .cost_model import CostModel, tensor_bytes
@@ -70,7 +70,7 @@ SCHEDULED_GRAPHS = ("forward", "backward", "inference")
 # publishing updated shards) keeps gathers before the waits of their node and its lookahead
 TRAINING_GRAPHS = ("forward", "backward")
 _PLACED = ("placeholder", "output")  # never moved: inputs stay first, the output last
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_WAIT = c10d_functional.wait_tensor.default
 
 
 @dataclasses.dataclass

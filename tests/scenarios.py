@@ -9,6 +9,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxshard
@@ -36,7 +37,22 @@ def build_model(name: str) -> torch.nn.Module:
         return GPT(GPTConfig())
     if name == "mlp_uneven":  # shapes that no world size of 2 or 3 divides
         return MLP(d_in=7, d_hidden=11, d_out=5)
+    if name == "gpt_checkpointed":  # activation checkpointing: each block recomputed in backward
+        model = GPT(GPTConfig())
+        model.blocks = torch.nn.ModuleList(CheckpointedBlock(block) for block in model.blocks)
+        return model
     raise ValueError(name)
+
+
+class CheckpointedBlock(torch.nn.Module):
+    """``block`` run under non-reentrant activation checkpointing, as training scripts wrap their layers."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
 def hybrid_mesh(shape: tuple | None, device: str = "cpu"):
@@ -55,14 +71,14 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 
 def global_batch(model_name: str, size: int, generator: torch.Generator):
-    if model_name == "gpt":
+    if model_name.startswith("gpt"):
         return gpt_batch(GPTConfig(), size, generator)
     d_in = 7 if model_name == "mlp_uneven" else 8
     return torch.randn(size, d_in, generator=generator), torch.randn(size, 5, generator=generator)
 
 
 def loss_of(model_name: str, model, batch) -> torch.Tensor:
-    if model_name == "gpt":
+    if model_name.startswith("gpt"):
         return model(*batch)
     inputs, targets = batch
     return F.mse_loss(model(inputs), targets)
@@ -75,7 +91,8 @@ def train_against_reference(
 ) -> dict:
     """Train a prepared model (this rank's slice of each global batch) beside a single-process reference that
     sees the whole global batch; return both models' full parameters before and after, the graphs compiled and
-    the collectives of the last step (and, with ``clip``, the gradient norms each clipped by). ``compile_step``
+    the collectives of the last step and the bytes of each kind of training state (gradients: after its backward)
+    (and, with ``clip``, the gradient norms each clipped by). ``compile_step``
     compiles ``opt.step`` with the same backend. ``device``: where both models train (``"cuda"``: this rank's GPU);
     what is returned is on the CPU. ``mesh_shape``: (replicas, shards) of a hybrid-sharding mesh over every rank.
     ``halve_lr_each_step``: both optimizers get an LR scheduler, the prepared one's built before prepare."""
@@ -100,6 +117,7 @@ def train_against_reference(
         local = tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
         with CollectiveCounter() if i == steps - 1 else contextlib.nullcontext() as counter:
             loss_of(model_name, run, local).backward()
+            grads_after_backward = _storage_bytes(p.grad for p in model.parameters())
             if clip is not None:
                 norms.append(backend.clip_grad_norm_(clip).item())
             step()
@@ -121,6 +139,8 @@ def train_against_reference(
         "expected": reference.state_dict(),
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
         "collectives": counter.totals(),
+        "world_size": world,
+        "state_bytes": state_bytes(model, opt, grads_after_backward),
         "graph_devices": sorted({str(n.meta["val"].device) for r in backend.graphs if r.kind in ("forward", "backward")
                                  for n in r.final.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}),
         "devices": sorted({str(t.device) for t in [*model.parameters(), *(v for state in opt.state.values()
@@ -210,28 +230,13 @@ def _storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
-def profile_step(model_name: str, stage: int) -> dict:
-    """Train two AdamW steps (the first compiles); of the second, count the collectives as they run and the bytes
-    each kind of training state holds on this rank (gradients measured after backward, before the step)."""
-    from fxshard.report.measure import CollectiveCounter
+def state_bytes(model, opt, grads_after_backward: int) -> dict:
+    """The elements Ψ of a prepared model (``psi_padded``: with each shard's padding) and the bytes each kind of
+    training state holds on this rank."""
     from fxshard.runtime.prepare import spec_of
 
-    rank, world = rank_and_world()
-    model = build_model(model_name)
-    backend = fxshard.backend(compiler="eager", stage=stage)
-    model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
-    run = torch.compile(model, backend=backend, fullgraph=True)
-    generator = torch.Generator().manual_seed(rank)
-    for _ in range(2):
-        opt.zero_grad()
-        with CollectiveCounter() as counter:
-            loss_of(model_name, run, global_batch(model_name, PER_RANK_BATCH, generator)).backward()
-            grads_after_backward = _storage_bytes(p.grad for p in model.parameters())
-            opt.step()
     specs = [spec_of(p) for p in model.parameters()]
     return {
-        "collectives": counter.totals(),
-        "world_size": world,
         "psi": sum(s.numel for s in specs),
         "psi_padded": sum(s.chunk * s.world_size for s in specs),
         "psi_bytes": 4 * sum(s.numel for s in specs),
@@ -752,3 +757,16 @@ def worker_threads_of_every_collective(stages=(2, 3)) -> dict:
             "step threads": sorted({gloo_worker_threads(name) for name in step.groups}),
         }
     return found
+
+
+def example_output(example: str, argv: list[str]) -> str:
+    """What ``examples/<example>.py``'s ``train`` prints on this rank, run with ``argv`` on this pool's ranks (the
+    example's own launch paths, torchrun and spawning, are tested by running the scripts)."""
+    import importlib
+    import io
+
+    module = importlib.import_module(f"examples.{example}")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        module.train(module.parse_args(argv))
+    return printed.getvalue()

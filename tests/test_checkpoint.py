@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 import checkpoint_scenarios
+import scenarios
 
 # Resuming at another world size or stage: the global batch's rows are summed in another order, and AdamW divides by
 # the square root of a second moment that is tiny after two steps, so the losses agree to float32 rounding only.
@@ -203,11 +204,11 @@ def test_a_stage_3_save_gathers_one_parameter_at_a_time(pools, tmp_path):
         assert result["peak"] < result["local"] + result["full"], result
 
 
-def _train_gpt(directory: pathlib.Path, *flags: str, script: pathlib.Path = ROOT / "examples" / "train_gpt.py",
-               torchrun: bool = False):
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else []
-    command = [sys.executable, *launcher, str(script), "--eager", "--steps", "4", "--checkpoint-every", "1",
-               "--checkpoint-dir", str(directory), *flags]
+TRAIN_GPT_FLAGS = ["--eager", "--steps", "4", "--checkpoint-every", "1"]
+
+
+def _train_gpt(directory: pathlib.Path, *flags: str, script: pathlib.Path = ROOT / "examples" / "train_gpt.py"):
+    command = [sys.executable, str(script), *TRAIN_GPT_FLAGS, "--checkpoint-dir", str(directory), *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -216,10 +217,10 @@ def _losses(stdout: str) -> dict[int, str]:
     return {int(step): loss for step, loss in re.findall(r"^step\s+(\d+)\s+loss (\S+)", stdout, re.MULTILINE)}
 
 
-def test_train_gpt_resumes_bit_exactly_after_a_kill_in_the_middle_of_a_save(tmp_path):
-    # the uninterrupted run under torchrun (env://), the others spawning their own ranks: the same numbers either way
-    whole = _train_gpt(tmp_path / "whole", torchrun=True)
-    assert whole.returncode == 0, whole.stderr
+def test_train_gpt_resumes_bit_exactly_after_a_kill_in_the_middle_of_a_save(pools, tmp_path):
+    # the uninterrupted run on the suite's pool, the others spawning their own ranks: the same numbers either way
+    whole = pools(2).run(scenarios.example_output, "train_gpt",
+                         [*TRAIN_GPT_FLAGS, "--checkpoint-dir", str(tmp_path / "whole")])[0]
     killed = _train_gpt(tmp_path / "killed", script=pathlib.Path(__file__).with_name("kill_during_save.py"))
     assert killed.returncode != 0, killed.stdout
     left = sorted(p.name for p in (tmp_path / "killed").iterdir())
@@ -229,4 +230,4 @@ def test_train_gpt_resumes_bit_exactly_after_a_kill_in_the_middle_of_a_save(tmp_
     assert "resumed from" in resumed.stdout and "step_000001 at step 1" in resumed.stdout, resumed.stdout
     after = _losses(resumed.stdout)
     assert sorted(after) == [1, 2, 3]
-    assert after == {step: loss for step, loss in _losses(whole.stdout).items() if step >= 1}
+    assert after == {step: loss for step, loss in _losses(whole).items() if step >= 1}

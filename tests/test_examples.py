@@ -1,10 +1,13 @@
 """The examples run under torchrun (env://) as well as with plain python, spawning their own ranks
-(tests/test_checkpoint.py runs train_gpt.py both ways too), and what they print fits in 120 characters a line."""
+(tests/test_checkpoint.py spawns train_gpt.py's), and what they print fits in 120 characters a line. Their options
+beyond the launch run on the suite's worker pools."""
 
 import os
 import pathlib
 import subprocess
 import sys
+
+import scenarios
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -22,11 +25,10 @@ def _too_wide(out: str) -> list[str]:
     return [line for line in out.splitlines() if len(line) > LINE_WIDTH]
 
 
-def test_custom_schedule_runs_with_python_spawning_its_ranks():
-    # torchrun's path through examples/launch.py is the demo's, tested below; the eager compiler: the schedule is
-    # the same, and Inductor would compile for about 15 s more on 2 cores
-    run = _run([sys.executable, str(ROOT / "examples" / "custom_schedule.py"), "--steps", "1", "--compiler", "eager"])
-    assert "all issued before the first wait" in run.stdout and run.stdout.rstrip().endswith("True"), run.stdout
+def test_custom_schedule_issues_every_gather_before_the_first_wait(pools):
+    # the eager compiler: the schedule is the same, and Inductor would compile for about 15 s more on 2 cores
+    out = pools(2).run(scenarios.example_output, "custom_schedule", ["--steps", "1", "--compiler", "eager"])[0]
+    assert "all issued before the first wait" in out and out.rstrip().endswith("True"), out
 
 
 def test_the_demo_trains_under_torchrun_and_every_line_of_its_report_fits():
@@ -39,9 +41,9 @@ def test_the_demo_trains_under_torchrun_and_every_line_of_its_report_fits():
     assert _too_wide(run.stdout) == []
 
 
-def test_train_gpt_trains_on_a_hybrid_mesh_under_torchrun():
-    run = _run([*TORCHRUN, "--nproc-per-node", "4", str(ROOT / "examples" / "train_gpt.py"), "--mesh", "2x2",
-                "--steps", "3", "--compiler", "eager"])
-    assert "on 4 gloo ranks as a 2x2 mesh" in run.stdout and "step   2  loss" in run.stdout, run.stdout
-    assert "N=2, R=2" in run.stdout and "all_reduce over replicas" in run.stdout, run.stdout
-    assert _too_wide(run.stdout) == []
+def test_train_gpt_trains_on_a_hybrid_mesh(pools):
+    argv = ["--mesh", "2x2", "--steps", "3", "--compiler", "eager"]
+    out = pools(4).run(scenarios.example_output, "train_gpt", argv)[0]
+    assert "on 4 gloo ranks as a 2x2 mesh" in out and "step   2  loss" in out, out
+    assert "N=2, R=2" in out and "all_reduce over replicas" in out, out
+    assert _too_wide(out) == []

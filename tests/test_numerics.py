@@ -63,3 +63,11 @@ def test_uncompiled_prepared_model_matches_single_process(pools, model):
     for result in results:
         assert_matches_reference(result, "sgd")
         assert result["compiled_graphs"] == []
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_activation_checkpointing_trains_like_single_process(pools, stage):
+    results = pools(2).run(scenarios.train_against_reference, "gpt_checkpointed", "sgd", 3, stage=stage)
+    for result in results:
+        assert_matches_reference(result, "sgd")
+        assert result["compiled_graphs"] == [(0, "backward"), (0, "forward"), (0, "joint")]

@@ -48,3 +48,19 @@ assert not unresolved, unresolved
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# A private torch name: a module or attribute whose name starts with "_" reached from torch or torch.distributed.
+_PRIVATE_TORCH = re.compile(r"\btorch(\.\w+)*\._\w|^\s*from torch[\w.]* import .*\b_\w|\bdist(\.\w+)*\._\w",
+                            re.MULTILINE)
+
+
+def test_only_torch_compat_reaches_into_private_torch():
+    compat = ROOT / "fxshard" / "torch_compat.py"
+    sources = [p for p in [*(ROOT / "fxshard").rglob("*.py"), *(ROOT / "passes").rglob("*.py")] if p != compat]
+    code_of = {p: "\n".join(line for line in p.read_text().splitlines()
+                            if not line.lstrip().startswith(("#", "``")) and "``" not in line) for p in sources}
+    reaching = {str(p.relative_to(ROOT)): m.group(0) for p, code in code_of.items()
+                if (m := _PRIVATE_TORCH.search(code))}
+    assert reaching == {}, "import these through fxshard/torch_compat.py, which knows the torch versions"
+    assert _PRIVATE_TORCH.search(compat.read_text())  # the pattern still finds what torch_compat imports

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
-from fxshard.torch_compat import LocalSource, SavedForBackwardsAOTOutput, TensorProperty, TensorPropertySource
+from fxshard.torch_compat import c10d_functional, LocalSource, SavedForBackwardsAOTOutput, TensorProperty, TensorPropertySource
 
 from .symbols import B_GRAD, B_PARAM, N, R, Term, psi, shard, sizes_at
 
@@ -172,7 +172,7 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes) -> tuple[list
 
 def _storage_root(node: fx.Node, roots: dict) -> fx.Node:
     # wait_tensor returns the very tensor its collective wrote into
-    waits = node.op == "call_function" and node.target is torch.ops._c10d_functional.wait_tensor.default
+    waits = node.op == "call_function" and node.target is c10d_functional.wait_tensor.default
     if is_view(node) or waits or (node.op == "call_function" and node.target is operator.getitem):
         source = node.args[0]
         if isinstance(source, fx.Node):

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fxshard.errors import FxShardError
+from fxshard.torch_compat import dcp_flat_keys
 
 from .state_dict import checkpoint_group, get_state_dict, is_first_rank, prepared_module, set_state_dict
 
@@ -79,10 +80,7 @@ def latest(directory: str | os.PathLike) -> pathlib.Path | None:
 
 def _flat_keys(state_dict: dict) -> dict[str, object]:
     """DCP's flat keys (``model.fc1.weight``, ``optim.state.fc1.weight.exp_avg``) and the values under them."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, _ = flatten_state_dict(state_dict)
-    return flat
+    return dcp_flat_keys(state_dict)
 
 
 def _check_checkpoint(path: pathlib.Path, template: dict):

@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
 from fxshard.errors import FxShardError
 from fxshard.runtime.optimizer_state_dict import updated_tensors
 from fxshard.runtime.prepare import _SPECS, spec_of
+from fxshard.torch_compat import flatten_optimizer_state_dict, resolve_group
 
 
 # -- get / set, keyed by parameter name -------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ def checkpoint_group(module: nn.Module):
     """Every rank that holds a piece of the model: its shard group, or on a hybrid mesh all of the mesh (each
     replica group writes the same rows; DCP keeps one copy)."""
     spec = next(iter(getattr(next(m for m in module.modules() if hasattr(m, _SPECS)), _SPECS).values()))
-    return _resolve_process_group(spec.all_ranks_group_name)
+    return resolve_group(spec.all_ranks_group_name)
 
 
 def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None = None) -> dict:
@@ -128,9 +128,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
         if not state_dict:
             return state_dict
     if options.flatten_optimizer_state_dict:
-        from torch.distributed.checkpoint.state_dict import _flatten_optim_state_dict
-
-        state_dict = _flatten_optim_state_dict(state_dict)
+        state_dict = flatten_optimizer_state_dict(state_dict)
     return state_dict
 
 

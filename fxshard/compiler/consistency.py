@@ -52,7 +52,7 @@ from torch import fx
 
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES, marker_args, replica_ranks
-from fxshard.torch_compat import OpOverload
+from fxshard.torch_compat import OpOverload, default_store, resolve_group
 
 GRAPH_KINDS = ("forward", "backward", "inference")
 KEY_PREFIX = "fxshard/schedule"  # keys in the process group's store: <prefix>/<group>/<check index>/<rank>
@@ -155,7 +155,7 @@ def prepare_check_group(group_name: str, timeout_s: float) -> None:
     check. Nothing for one rank or the fake group. Local: no communication."""
     if not group_name or _checked(group_name) is not None:
         return
-    group = dist.distributed_c10d._resolve_process_group(group_name)
+    group = resolve_group(group_name)
     if _needs_check(group):
         _CHECKED[group_name] = _CheckedGroup(group, timeout_s)
 
@@ -165,7 +165,7 @@ def _checked(group_name: str) -> _CheckedGroup | None:
     if checked is None or not dist.is_initialized():
         return None
     try:
-        current = dist.distributed_c10d._resolve_process_group(group_name)
+        current = resolve_group(group_name)
     except (RuntimeError, ValueError):  # destroyed since
         return None
     return checked if current is checked.group else None
@@ -173,7 +173,7 @@ def _checked(group_name: str) -> _CheckedGroup | None:
 
 def _exchange(checked: _CheckedGroup, ranks: list[int], mine: tuple) -> list[tuple]:
     """Every rank's ``(kind, schedule)`` of this check, in the order of ``ranks``, through the default store."""
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     prefix = f"{KEY_PREFIX}/{checked.group.group_name}/{checked.checks}"
     checked.checks += 1
     store.set(f"{prefix}/{dist.get_rank()}", pickle.dumps(mine))

@@ -23,21 +23,16 @@ import datetime
 import functools
 import re
 
-import torch
 import torch.distributed as dist
 
 from fxshard.errors import FxShardError
+from fxshard.torch_compat import gloo_threads, gloo_with_options, is_backend_registered, resolve_group
 
 ONE_THREAD_GLOO = "fxshard_gloo"  # the name the one-worker-thread gloo backend is registered under
 
 
 def _one_thread_gloo(store, rank: int, world_size: int, timeout: datetime.timedelta):
-    # The options are private API: init_process_group/new_group ignore gloo options in torch 2.13.
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._threads = 1
-    options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(store, rank, world_size, options)
+    return gloo_with_options(store, rank, world_size, timeout=timeout, threads=1)
 
 
 def _uses_gloo(group) -> bool:
@@ -56,7 +51,7 @@ def _live_twin(key: tuple[str, float], group) -> dist.ProcessGroup | None:
     if twin is None or source is not group:
         return None
     try:
-        current = dist.distributed_c10d._resolve_process_group(twin.group_name)
+        current = resolve_group(twin.group_name)
     except (RuntimeError, ValueError):  # destroyed since (destroy_process_group)
         return None
     return twin if current is twin else None
@@ -71,7 +66,7 @@ def collective_group(group, timeout_s: float) -> dist.ProcessGroup:
     key = (group.group_name, float(timeout_s))
     twin = _live_twin(key, group)
     if twin is None:
-        if ONE_THREAD_GLOO.upper() not in dist.Backend._plugins:
+        if not is_backend_registered(ONE_THREAD_GLOO):
             dist.Backend.register_backend(ONE_THREAD_GLOO, _one_thread_gloo, devices=["cpu"])
         twin = dist.new_group(
             ranks=dist.get_process_group_ranks(group), backend=ONE_THREAD_GLOO,
@@ -83,12 +78,7 @@ def collective_group(group, timeout_s: float) -> dist.ProcessGroup:
 
 def gloo_worker_threads(group_name: str) -> int | None:
     """How many worker threads the gloo backend of the group named ``group_name`` runs (None: not gloo)."""
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-    except RuntimeError:  # no CPU backend (NCCL only)
-        return None
-    return backend.options._threads if isinstance(backend, dist.ProcessGroupGloo) else None
+    return gloo_threads(resolve_group(group_name))
 
 
 def scatters_by_all_to_all(group_name: str) -> bool:

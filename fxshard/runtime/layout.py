@@ -25,10 +25,10 @@ import math
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Shard
 
 from fxshard.errors import FxShardError
+from fxshard.torch_compat import resolve_group
 
 from .ops import unshard
 from .sharding import ShardSpec, shard_of
@@ -47,7 +47,7 @@ _MESHES: dict[tuple[str, str], tuple[object, DeviceMesh]] = {}  # (group name, d
 def mesh_of(spec: ShardSpec, device_type: str) -> DeviceMesh:
     """The 1-D DeviceMesh over the group ``spec``'s collectives run on (the one ``prepare`` recorded, not the world
     group). Made once per group; a group destroyed and re-made under the same name gets a new mesh."""
-    group = _resolve_process_group(spec.group_name)
+    group = resolve_group(spec.group_name)
     cached = _MESHES.get((spec.group_name, device_type))
     if cached is None or cached[0] is not group:
         cached = (group, DeviceMesh.from_group(group, device_type))

@@ -19,6 +19,7 @@ from torch import fx
 
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES
+from fxshard.torch_compat import c10d_functional
 
 from .simulator import WAIT, Machine, collective_role, compute_nodes, compute_seconds, graphs_of, simulate
 
@@ -227,7 +228,7 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     measured = [2 * 256**3 / best_time(lambda: a @ a, repeats), big.nbytes / best_time(big.clone, repeats)]
     barrier = lambda: dist.barrier(group)  # noqa: E731
     group_name = (group or dist.group.WORLD).group_name
-    functional = torch.ops._c10d_functional
+    functional = c10d_functional
     shard_numels = [max(1, int(full_bytes) // 4 // world) for full_bytes in sizes]
     for numel in shard_numels:  # the graphs' own collectives: functional, then wait
         shard, full = torch.randn(numel), torch.randn(numel * world)

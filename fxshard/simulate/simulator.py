@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch import fx
 
 from fxshard.budget.symbols import N
 from fxshard.errors import FxShardError
 from fxshard.passes.cost_model import node_flops, tensor_bytes
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES, replica_ranks
+from fxshard.torch_compat import c10d_functional
 
-WAIT = torch.ops._c10d_functional.wait_tensor.default
+WAIT = c10d_functional.wait_tensor.default
 
 
 @dataclasses.dataclass(frozen=True)
