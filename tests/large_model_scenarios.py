@@ -39,10 +39,11 @@ def prepare_a_large_model_on_meta(stage: int) -> dict:
     return {"peak": peak, "mismatched": mismatched, "whole": sum(p.numel() for p in reference.parameters()) * 4}
 
 
-def train_born_on_meta_and_built(stage: int, steps: int = 3, mesh_shape: tuple | None = None) -> dict:
-    """The plain GPT trained ``steps`` compiled AdamW steps twice (on a hybrid mesh of ``mesh_shape``): built on the
-    meta device (the optimizer built over the meta parameters, as FSDP2 users write it) and built normally; the
-    losses of each step."""
+def train_born_on_meta_and_built(stage: int, steps: int = 3, mesh_shape: tuple | None = None,
+                                 compiled: bool = True) -> dict:
+    """The plain GPT trained ``steps`` AdamW steps twice (on a hybrid mesh of ``mesh_shape``; ``compiled=False``: the
+    prepared model run eagerly): built on the meta device (the optimizer built over the meta parameters, as FSDP2
+    users write it) and built normally; the losses of each step."""
     from examples.models import gpt_batch
 
     rank, _ = rank_and_world()
@@ -51,11 +52,11 @@ def train_born_on_meta_and_built(stage: int, steps: int = 3, mesh_shape: tuple |
         torch._dynamo.reset()
         torch.manual_seed(0)
         backend, model, opt = _gpt_on(born, stage, mesh_shape=mesh_shape)
-        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
         generator = torch.Generator().manual_seed(rank)
         losses[born] = []
         for _ in range(steps):
-            loss = compiled(*gpt_batch(PLAIN, 4, generator))
+            loss = run(*gpt_batch(PLAIN, 4, generator))
             loss.backward()
             opt.step()
             opt.zero_grad()
