@@ -1,14 +1,19 @@
 """The knobs the backend chooses where the user left it a choice (fxshard.simulate.autotune): grouping and, under
 memory_budget, prefetch, by the simulator's predicted time within the ledger's memory."""
 
+import re
+
 import pytest
-from expecttest import assert_expected_inline
+import torch
 
 import fxshard
 import scenarios
 from fxshard.simulate.autotune import describe_choices
 from fxshard.report import collectives
 from fxshard.simulate import GLOO_ON_CPU, Machine
+
+
+SNAPSHOT_TORCH = "2.13."  # CI's release, whose partitioner the byte figures below were recorded with
 
 
 def _graphs(backend) -> dict:
@@ -21,14 +26,29 @@ def unbounded():
     return _graphs(scenarios.compiled_model("gpt", 3, memory_budget=1 << 40))
 
 
-def test_the_default_grouping_of_a_model_with_repeated_blocks_is_chosen_by_the_simulator():
-    backend = scenarios.compiled_model("gpt", 3)
-    assert_expected_inline(describe_choices(backend.graphs), """\
+DEFAULT_GROUPING_CHOICES = """\
 knobs chosen by the simulator (the fastest predicted graph):
   graph 0 forward: bucket="auto", prefetch=1, max_inflight_gathers=2: 4.49 ms, 468,224 bytes  <- chosen
   graph 0 forward: bucket="layer", prefetch=1, max_inflight_gathers=2: 16.16 ms, 415,488 bytes
   graph 0 backward: bucket="auto", prefetch=1, max_inflight_gathers=2: 7.25 ms, 656,200 bytes  <- chosen
-  graph 0 backward: bucket="layer", prefetch=1, max_inflight_gathers=2: 28.32 ms, 589,832 bytes""")
+  graph 0 backward: bucket="layer", prefetch=1, max_inflight_gathers=2: 28.32 ms, 589,832 bytes"""
+
+
+def _without_bytes(choices: str) -> str:
+    return re.sub(r"[\d,]+ bytes", "_ bytes", choices)
+
+
+def test_the_default_grouping_of_a_model_with_repeated_blocks_is_chosen_by_the_simulator():
+    backend = scenarios.compiled_model("gpt", 3)
+    choices = describe_choices(backend.graphs)
+    if torch.__version__.startswith(SNAPSHOT_TORCH):
+        assert choices == DEFAULT_GROUPING_CHOICES
+    else:  # the activations AOT's partitioner saves for backward, and so the bytes, differ between torch releases
+        assert _without_bytes(choices) == _without_bytes(DEFAULT_GROUPING_CHOICES)
+    for record in backend.graphs:  # on every release: a chosen graph's bytes are its final ledger's
+        choice = record.final.meta.get("fxshard_choice") if record.final is not None else None
+        if choice is not None:
+            assert choice["candidates"][choice["chosen"]]["bytes"] == record.final.meta["fxshard_ledger"]["total"]
     for kind, gm in _graphs(backend).items():
         choice = gm.meta["fxshard_choice"]
         assert choice["machine"] == GLOO_ON_CPU  # a CPU graph's default

@@ -273,6 +273,20 @@ def _specs_by_parameter(model: nn.Module, spec_for) -> dict[int, tuple[nn.Parame
     return specs
 
 
+def _refuse_distributed_tensors(model: nn.Module) -> None:
+    """FxShardError, before anything changes, for a parameter that is a DTensor already (tensor parallelism's
+    ``parallelize_module``, or FSDP2's ``fully_shard``): fxshard lays out plain tensors only."""
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            dims = param.device_mesh.mesh_dim_names or tuple(range(param.device_mesh.ndim))
+            raise FxShardError(
+                f"parameter {name!r} is a DTensor (placements {tuple(param.placements)} over mesh dimensions "
+                f"{tuple(dims)}); fxshard shards plain tensors only and does not compose with tensor parallelism "
+                "or fully_shard yet. Prepare the model before any parallelize_module / fully_shard, or train this "
+                "layout with FSDP2"
+            )
+
+
 def shard_parameters(
     model: nn.Module,
     stage: int,
@@ -298,6 +312,7 @@ def shard_parameters(
     and buffers are the first rank's (broadcast)."""
     if is_prepared(model) or any(spec_of(p) is not None for p in model.parameters()):
         raise FxShardError("this model is already prepared; call backend.prepare once per model")
+    _refuse_distributed_tensors(model)
     grad_sync = GradSync()
     model.__dict__[_GRAD_SYNC] = grad_sync
     group = _resolve_group(group)
