@@ -4,16 +4,13 @@ memory_budget, prefetch, by the simulator's predicted time within the ledger's m
 import re
 
 import pytest
-import torch
 
 import fxshard
 import scenarios
+from snapshots import on_snapshot_torch
 from fxshard.simulate.autotune import describe_choices
 from fxshard.report import collectives
 from fxshard.simulate import GLOO_ON_CPU, Machine
-
-
-SNAPSHOT_TORCH = "2.13."  # CI's release, on which the figures of the snapshot below were recorded
 
 
 def _graphs(backend) -> dict:
@@ -41,7 +38,7 @@ def _without_figures(choices: str) -> str:
 def test_the_default_grouping_of_a_model_with_repeated_blocks_is_chosen_by_the_simulator():
     backend = scenarios.compiled_model("gpt", 3)
     choices = describe_choices(backend.graphs)
-    if torch.__version__.startswith(SNAPSHOT_TORCH):
+    if on_snapshot_torch():
         assert choices == DEFAULT_GROUPING_CHOICES
     else:  # the graphs torch traces and partitions differ a little between releases, and so do the figures
         assert _without_figures(choices) == _without_figures(DEFAULT_GROUPING_CHOICES)

@@ -9,7 +9,8 @@ import scenarios
 from examples.models import MLP
 from fxshard.runtime.prepare import MASTER_OF, spec_of, updating_optimizer
 from fxshard.runtime.sharding import shard_of
-from fxshard.testing import assert_graph_snapshot, fake_process_group, graph_summary
+from fxshard.testing import fake_process_group, graph_summary
+from snapshots import assert_fxshard_snapshot
 from test_numerics import STEPS, assert_matches_reference
 
 
@@ -180,7 +181,7 @@ def test_optimizer_graph_snapshot_stage_2():
     graphs = _optimizer_graphs(2)
     rewritten = graphs["optimizer"].passes[0]  # shard_optimizer_pass on the Dynamo graph of the step
     assert rewritten.name == "shard_optimizer_pass"
-    assert_graph_snapshot(rewritten.after, """\
+    assert_fxshard_snapshot(rewritten.after, """\
 l_self_param_groups_0_params_0_grad: f32[64]
 l_self_param_groups_0_params_1_grad: f32[8]
 l_self_param_groups_0_params_2_grad: f32[40]
@@ -206,7 +207,7 @@ _fxshard_publish_3 = get_attr() -> -  # fc2 publish
 unshard_default_3 = fxshard.unshard(x_1) -> -  # fc2 publish
 copy__default_3 = aten.copy_(_fxshard_publish_3, unshard_default_3) -> -  # fc2 publish
 return """)
-    assert_graph_snapshot(graphs["inference"].final, """\
+    assert_fxshard_snapshot(graphs["inference"].final, """\
 arg0_1: f32[64]
 arg1_1: f32[8]
 arg2_1: f32[40]
@@ -256,7 +257,7 @@ return add:f32[64], add_1:f32[8], add_2:f32[40], add_3:f32[3], copy:f32[16], cop
 
 def test_optimizer_graph_snapshot_stage_0():
     # full parameters, already averaged gradients: the update alone, no collective
-    assert_graph_snapshot(_optimizer_graphs(0)["inference"].final, """\
+    assert_fxshard_snapshot(_optimizer_graphs(0)["inference"].final, """\
 arg0_1: f32[16,8]
 arg1_1: f32[16]
 arg2_1: f32[5,16]
@@ -281,7 +282,7 @@ def test_optimizer_graph_of_stage_1_is_stage_2s():
 
 def test_optimizer_graph_snapshot_stage_3():
     # shard leaves with reduce-scattered gradients: the update alone, no collective
-    assert_graph_snapshot(_optimizer_graphs(3)["inference"].final, """\
+    assert_fxshard_snapshot(_optimizer_graphs(3)["inference"].final, """\
 arg0_1: f32[64]
 arg1_1: f32[8]
 arg2_1: f32[40]
