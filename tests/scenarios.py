@@ -771,3 +771,50 @@ def example_output(example: str, argv: list[str]) -> str:
     with contextlib.redirect_stdout(printed):
         module.train(module.parse_args(argv))
     return printed.getvalue()
+
+
+class TwoScales(torch.nn.Module):
+    """``a · x1 + b · x2``, summed: a large ``x2`` overflows ``b``'s gradient alone, where ``x2`` is large."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.full((16,), 0.01))
+        self.b = torch.nn.Parameter(torch.full((16,), 0.01))
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return (self.a * x1).sum() + (self.b * x2).sum()
+
+
+def train_with_sharded_grad_scaler(stage: int, steps: int = 3) -> dict:
+    """Loss scaling with torch's ShardedGradScaler beside one process with a GradScaler on the whole batch. In the
+    first step the last rank's slice overflows the first half of ``b``'s gradient: after the reduce-scatter only
+    the rank holding that half sees the inf. Returns each step's scale and both models' parameters."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    rank, world = rank_and_world()
+    model, reference = TwoScales(), TwoScales()
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    backend = fxshard.backend(compiler="eager", stage=stage)
+    model, opt = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    scales, reference_scales = [], []
+    for step in range(steps):
+        x1 = torch.randn(world * PER_RANK_BATCH, 16, generator=torch.Generator().manual_seed(step))
+        x2 = x1.flip(0)
+        if step == 0:
+            x2[-PER_RANK_BATCH:, :8] = 1e38
+        local = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
+        for scaling, optimizer, module, rows, seen in ((scaler, opt, run, local, scales),
+                                                      (reference_scaler, reference_opt, reference, slice(None),
+                                                       reference_scales)):
+            # each rank's loss is its slice's share of the mean over the global batch, as DDP's averaging makes it
+            loss = module(x1[rows], x2[rows]) / (world * PER_RANK_BATCH) * (world if module is run else 1)
+            scaling.scale(loss).backward()
+            scaling.step(optimizer)
+            scaling.update()
+            optimizer.zero_grad()
+            seen.append(scaling.get_scale())
+    return {"scales": scales, "reference_scales": reference_scales, "final": full_state(model),
+            "expected": reference.state_dict()}
