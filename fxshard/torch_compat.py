@@ -1,7 +1,8 @@
 """Every private torch API fxshard calls, in one module that knows torch 2.11 to 2.15.
 
 fxshard lives on torch's internals (Dynamo's sources, AOTAutograd's descriptors and partitioner, Inductor's
-per-graph entry points, the profiler's events), which move between releases. The rest of fxshard and the passes
+per-graph entry points, the profiler's events, and in torch.distributed the process groups by name, gloo's options,
+the default store and DCP's flat keys), which move between releases. The rest of fxshard and the passes
 import them from here, so a new torch release is one file to read. Where releases differ:
 
 | what | 2.11 | 2.13, 2.15 |

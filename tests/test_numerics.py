@@ -71,3 +71,5 @@ def test_activation_checkpointing_trains_like_single_process(pools, stage):
     for result in results:
         assert_matches_reference(result, "sgd")
         assert result["compiled_graphs"] == [(0, "backward"), (0, "forward"), (0, "joint")]
+        if stage == 3:  # the recomputation reads the weights backward gathers anyway: no gather more than without it
+            assert result["collectives"]["all_gather"]["calls"] == 3 + 3  # 3 units, tests/test_stages.py
