@@ -62,3 +62,33 @@ def only_rank_1_compiles() -> str:
         fxshard.backend(compiler="eager", stage=3, collective_timeout_s=2).prepare(BranchingMLP(False))
         return "rank 0 compiled nothing"
     return _compile_the_branching_mlp(False, collective_timeout_s=2)
+
+
+class PairSum(nn.Module):
+    """An MLP whose hidden activations are summed over a pair of ranks by the user's own functional all-reduce."""
+
+    def __init__(self, pair_group: str):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 5)
+        self.pair_group = pair_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_reduce
+
+        return self.fc2(all_reduce(F.relu(self.fc1(x)), "sum", self.pair_group))
+
+
+def compile_a_forward_with_a_collective_over_rank_pairs() -> str:
+    """Stage 3 over every rank of 4, the user's all-reduce over the pairs (0, 1) and (2, 3): the same graph on
+    every rank, on groups of other names. Returns each rank's FxShardError, or that it ran."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pairs = init_device_mesh("cpu", (2, 2), mesh_dim_names=("across", "pair"))["pair"].get_group()
+    torch.manual_seed(0)
+    backend = fxshard.backend(compiler="eager", stage=3)
+    model, _ = backend.prepare(PairSum(pairs.group_name))
+    try:
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8)).sum().backward()
+    except fxshard.FxShardError as error:
+        return str(error)
+    return "compiled and ran without an error"

@@ -40,6 +40,12 @@ def test_shard_groups_of_a_hybrid_mesh_that_compiled_different_graphs_fail_on_ev
         assert "rank 0: all_gather of unit 'fc2'" in error and "rank 2: all_gather of unit 'extra'" in error, error
 
 
+def test_a_collective_of_the_users_over_groups_of_one_mesh_dimension_is_the_same_schedule_on_every_rank(pools):
+    # the pairs (0, 1) and (2, 3) are groups of other names: compared by shape, they are the same collective
+    assert pools(4).run(consistency_scenarios.compile_a_forward_with_a_collective_over_rank_pairs) == [
+        "compiled and ran without an error"] * 4
+
+
 def test_the_schedule_is_the_lowered_graphs_collectives_in_issue_order():
     backend = scenarios.compiled_model("mlp", stage=3)  # fake group: nothing is compared, the graphs are real
     backward = next(r.final for r in backend.graphs if r.kind == "backward")

@@ -101,10 +101,16 @@ def _is_collective(node: fx.Node) -> bool:
 def _group_of(node: fx.Node, meta: dict) -> str:
     """fxshard's collectives by the mesh dimension they run over ("shard": the group parameters are sharded over,
     a flat group too; "replicate"): the groups of one dimension have other names on other ranks of a hybrid mesh.
-    Any other collective by its group's name."""
+    Any other collective (the user's, DTensor's) by the shape of its group, for the same reason: the groups of one
+    mesh dimension, e.g. ranks (0, 1) and (2, 3), are each "ranks (0, 1) + offset"."""
     if meta.get("role") in COLLECTIVE_ROLES:
         return "shard" if replica_ranks(node) is None else "replicate"
-    return str(marker_args(node).get("group_name", ""))
+    name = str(marker_args(node).get("group_name", ""))
+    try:
+        ranks = dist.get_process_group_ranks(resolve_group(name))
+    except (RuntimeError, ValueError):  # not a live group: compare the names
+        return name
+    return f"ranks {tuple(r - ranks[0] for r in ranks)} + offset"
 
 
 def collective_schedule(gm: fx.GraphModule) -> list[ScheduledCollective]:
