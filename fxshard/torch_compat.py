@@ -32,19 +32,16 @@ from torch._guards import detect_fake_mode
 from torch._logging._internal import register_log, trace_log, trace_structured
 from torch._ops import OpOverload
 from torch.fx.experimental import symbolic_shapes
-from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
-
-# The releases the suite passes on (``make test-torch TORCH=...``); pyproject.toml's range says the same.
-TESTED_TORCH = ("2.11", "2.13", "2.15")
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
-    "ConstantSource", "LocalSource", "c10d_functional", "OpOverload", "ProfiledOp", "SavedForBackwardsAOTOutput", "ShortenTraceback",
-    "TESTED_TORCH", "TensorProperty", "TensorPropertySource", "aot_module_simplified", "detect_fake_mode",
-    "inductor_backward", "inductor_compiler_config", "inductor_decompositions", "inductor_forward",
-    "make_boxed_func", "model_outputs", "min_cut_rematerialization_partition", "profiled_ops",
-    "register_log", "trace_log", "trace_structured", "traced_size", "tree_flatten", "tree_map", "tree_map_only",
-    "dcp_flat_keys", "default_store", "fake_store", "flatten_optimizer_state_dict", "gloo_threads",
-    "gloo_with_options", "is_backend_registered", "resolve_group",
+    "ConstantSource", "LocalSource", "OpOverload", "ProfiledOp", "SavedForBackwardsAOTOutput", "ShortenTraceback",
+    "TensorProperty", "TensorPropertySource", "aot_module_simplified", "c10d_functional", "dcp_flat_keys",
+    "default_store", "detect_fake_mode", "fake_store", "flatten_optimizer_state_dict", "gloo_threads",
+    "gloo_with_options", "inductor_backward", "inductor_compiler_config", "inductor_decompositions",
+    "inductor_forward", "is_backend_registered", "make_boxed_func", "min_cut_rematerialization_partition",
+    "model_outputs", "profiled_ops", "register_log", "resolve_group", "trace_log", "trace_structured", "traced_size",
+    "tree_flatten", "tree_map",
 ]
 
 # The functional collectives' op namespace: what fxshard's graphs hold (all_gather_into_tensor, reduce_scatter_tensor,

@@ -92,10 +92,9 @@ def train_against_reference(
 ) -> dict:
     """Train a prepared model (this rank's slice of each global batch) beside a single-process reference that
     sees the whole global batch; return both models' full parameters before and after, the graphs compiled and
-    the collectives of the last step and the bytes of each kind of training state (gradients: after its backward)
-    (and, with ``clip``, the gradient norms each clipped by). ``compile_step``
-    compiles ``opt.step`` with the same backend. ``device``: where both models train (``"cuda"``: this rank's GPU);
-    what is returned is on the CPU. ``mesh_shape``: (replicas, shards) of a hybrid-sharding mesh over every rank.
+    the collectives and the bytes of each kind of training state of the last step (gradients: after its backward)
+    and, with ``clip``, the gradient norms each clipped by. ``compile_step`` compiles ``opt.step`` with the same
+    backend. ``device``: where both models train (``"cuda"``: this rank's GPU); what is returned is on the CPU. ``mesh_shape``: (replicas, shards) of a hybrid-sharding mesh over every rank.
     ``halve_lr_each_step``: both optimizers get an LR scheduler, the prepared one's built before prepare."""
     from fxshard.report.measure import CollectiveCounter
 
@@ -785,6 +784,16 @@ class TwoScales(torch.nn.Module):
         return (self.a * x1).sum() + (self.b * x2).sum()
 
 
+def _scaled_sgd_step(scaler, optimizer, module, x1: torch.Tensor, x2: torch.Tensor) -> float:
+    """One loss-scaled step on the mean loss of these rows (averaged over ranks, a rank's mean is the global one);
+    the scale after it."""
+    scaler.scale(module(x1, x2) / len(x1)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    return scaler.get_scale()
+
+
 def train_with_sharded_grad_scaler(stage: int, steps: int = 3) -> dict:
     """Loss scaling with torch's ShardedGradScaler beside one process with a GradScaler on the whole batch. In the
     first step the last rank's slice overflows the first half of ``b``'s gradient: after the reduce-scatter only
@@ -800,21 +809,13 @@ def train_with_sharded_grad_scaler(stage: int, steps: int = 3) -> dict:
     scaler = ShardedGradScaler("cpu", init_scale=1024.0)
     run = torch.compile(model, backend=backend, fullgraph=True)
     scales, reference_scales = [], []
+    local = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
     for step in range(steps):
         x1 = torch.randn(world * PER_RANK_BATCH, 16, generator=torch.Generator().manual_seed(step))
         x2 = x1.flip(0)
         if step == 0:
             x2[-PER_RANK_BATCH:, :8] = 1e38
-        local = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
-        for scaling, optimizer, module, rows, seen in ((scaler, opt, run, local, scales),
-                                                      (reference_scaler, reference_opt, reference, slice(None),
-                                                       reference_scales)):
-            # each rank's loss is its slice's share of the mean over the global batch, as DDP's averaging makes it
-            loss = module(x1[rows], x2[rows]) / (world * PER_RANK_BATCH) * (world if module is run else 1)
-            scaling.scale(loss).backward()
-            scaling.step(optimizer)
-            scaling.update()
-            optimizer.zero_grad()
-            seen.append(scaling.get_scale())
+        scales.append(_scaled_sgd_step(scaler, opt, run, x1[local], x2[local]))
+        reference_scales.append(_scaled_sgd_step(reference_scaler, reference_opt, reference, x1, x2))
     return {"scales": scales, "reference_scales": reference_scales, "final": full_state(model),
             "expected": reference.state_dict()}

@@ -14,7 +14,13 @@ import torch
 from torch import fx
 
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
-from fxshard.torch_compat import c10d_functional, LocalSource, SavedForBackwardsAOTOutput, TensorProperty, TensorPropertySource
+from fxshard.torch_compat import (
+    LocalSource,
+    SavedForBackwardsAOTOutput,
+    TensorProperty,
+    TensorPropertySource,
+    c10d_functional,
+)
 
 from .symbols import B_GRAD, B_PARAM, N, R, Term, psi, shard, sizes_at
 

@@ -78,11 +78,6 @@ def latest(directory: str | os.PathLike) -> pathlib.Path | None:
     return max(complete, key=lambda p: int(_STEP.match(p.name).group(2)), default=None)
 
 
-def _flat_keys(state_dict: dict) -> dict[str, object]:
-    """DCP's flat keys (``model.fc1.weight``, ``optim.state.fc1.weight.exp_avg``) and the values under them."""
-    return dcp_flat_keys(state_dict)
-
-
 def _check_checkpoint(path: pathlib.Path, template: dict):
     """The checkpoint's metadata, after checking that it holds every key of ``template`` at the same shape, that its
     chunks cover each tensor and that every file a chunk lives in is there, long enough. FxShardError otherwise, on
@@ -94,7 +89,7 @@ def _check_checkpoint(path: pathlib.Path, template: dict):
                            "e.g. fxshard.checkpoint.latest(directory)")
     metadata = FileSystemReader(path).read_metadata()
     saved = metadata.state_dict_metadata
-    wanted = {k: v for k, v in _flat_keys(template).items() if not k.startswith("extra.")}
+    wanted = {k: v for k, v in dcp_flat_keys(template).items() if not k.startswith("extra.")}
     missing = sorted(set(wanted) - set(saved))
     mismatched = [(k, list(saved[k].size), list(v.shape)) for k, v in wanted.items()
                   if k in saved and torch.is_tensor(v) and isinstance(saved[k], TensorStorageMetadata)

@@ -29,11 +29,9 @@ import math
 
 import torch
 
-from fxshard.torch_compat import c10d_functional
+from fxshard.torch_compat import c10d_functional as _c10d
 
 from .groups import peer_failures_explained, scatters_by_all_to_all
-
-_c10d = c10d_functional
 
 GRAD_REDUCTIONS = ("reduce_scatter", "all_reduce", "none")
 

@@ -24,7 +24,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import unit_of
-from fxshard.torch_compat import c10d_functional, ConstantSource
+from fxshard.torch_compat import ConstantSource
+from fxshard.torch_compat import c10d_functional as _c10d
 
 from . import optimizer_state_dict
 from .groups import peer_failures_explained
@@ -45,7 +46,6 @@ from .prepare import (
 from .sharding import ShardSpec, pack_greedily, shard_of, unpad
 
 _SHARDED_STEP = "_fxshard_sharded_step"  # attribute of the optimizers prepare returns: their ShardedStep
-_c10d = c10d_functional
 
 # Optimizers whose update is elementwise, so running them on flat shards equals running them on full tensors.
 ELEMENTWISE_OPTIMIZERS = (
