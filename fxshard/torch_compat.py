@@ -35,13 +35,14 @@ from torch.fx.experimental import symbolic_shapes
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
-    "ConstantSource", "LocalSource", "OpOverload", "ProfiledOp", "SavedForBackwardsAOTOutput", "ShortenTraceback",
-    "TensorProperty", "TensorPropertySource", "aot_module_simplified", "c10d_functional", "dcp_flat_keys",
+    "aot_module_simplified", "c10d_functional", "concatenate_meshes", "ConstantSource", "dcp_flat_keys",
     "default_store", "detect_fake_mode", "fake_store", "flatten_optimizer_state_dict", "gloo_threads",
     "gloo_with_options", "inductor_backward", "inductor_compiler_config", "inductor_decompositions",
-    "inductor_forward", "is_backend_registered", "make_boxed_func", "min_cut_rematerialization_partition",
-    "model_outputs", "profiled_ops", "register_log", "resolve_group", "trace_log", "trace_structured", "traced_size",
-    "tree_flatten", "tree_map",
+    "inductor_forward", "is_backend_registered", "LocalSource", "make_boxed_func",
+    "min_cut_rematerialization_partition", "model_outputs", "OpOverload", "profiled_ops", "ProfiledOp",
+    "register_log", "resolve_group", "SavedForBackwardsAOTOutput", "ShortenTraceback", "strided_shard",
+    "TensorProperty", "TensorPropertySource", "trace_log", "trace_structured", "traced_size", "tree_flatten",
+    "tree_map",
 ]
 
 # The functional collectives' op namespace: what fxshard's graphs hold (all_gather_into_tensor, reduce_scatter_tensor,
@@ -167,3 +168,21 @@ def fake_store() -> dist.Store:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def concatenate_meshes(meshes: list) -> "torch.distributed.device_mesh.DeviceMesh":
+    """One DeviceMesh whose dimensions are those of ``meshes`` (slices of one mesh, on no common dimension), as
+    FSDP2 joins its data-parallel mesh to a tensor-parallel one; RuntimeError for slices of different meshes, or
+    slices that overlap."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(meshes)
+
+
+def strided_shard(dim: int, split_factor: int):
+    """``_StridedShard(dim, split_factor)``: a dimension split over one mesh dimension AFTER another mesh dimension
+    to its right has split it ``split_factor`` ways (FSDP2's data-parallel placement of a dim-0 tensor-parallel
+    shard)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)

@@ -16,6 +16,10 @@ elements of its flat shard: the DTensor's local tensor is a view of the shard (n
 dict never holds more than one full parameter. Loading does the reverse (rows that cross shard boundaries: that
 parameter's ``full_tensor()``, cut down to this rank's flat shard).
 
+Under tensor parallelism (``fxshard/runtime/tensor_parallel.py``) fxshard shards each tp rank's local tensor, so
+the rows above are rows of that local tensor, and the DTensor has the parameter's global shape over two mesh
+dimensions (fxshard's shard dimension, then the tp one); a tensor held in full is a DTensor over the tp dimension.
+
 Both the module state dicts (``prepare``'s hooks) and the optimizer's (``optimizer_state_dict``) build on this.
 """
 
@@ -32,6 +36,7 @@ from fxshard.torch_compat import resolve_group
 
 from .ops import unshard
 from .sharding import ShardSpec, shard_of
+from .tensor_parallel import as_tensor_parallel, global_value, local_value
 
 
 def gather_full(shard: torch.Tensor, spec: ShardSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -73,8 +78,26 @@ def rows_are_shard(spec: ShardSpec) -> bool:
 
 
 def _as_dtensor(local: torch.Tensor, spec: ShardSpec) -> DTensor:
+    """This rank's rows as a DTensor of the parameter's global shape: ``Shard(0)`` over fxshard's group, or under
+    tensor parallelism over fxshard's shard dimension and the tp one (``TensorParallel.sharded_placements``)."""
+    tp = spec.tensor_parallel
+    if tp is not None:
+        return DTensor.from_local(local, tp.sharded_mesh, tp.sharded_placements, run_check=False, shape=tp.shape,
+                                  stride=tp.stride)
     return DTensor.from_local(local, mesh_of(spec, local.device.type), [Shard(0)], run_check=False,
                               shape=torch.Size(spec.full_shape), stride=_contiguous_strides(spec.full_shape))
+
+
+def unsharded_value(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """What a state dict holds for a tensor of ``spec``'s parameter that this rank holds in full (stage 0, stage 1's
+    parameters, a 0-d parameter): the tensor itself, or under tensor parallelism a DTensor of this tp rank's piece."""
+    return full.detach() if spec.tensor_parallel is None else as_tensor_parallel(full.detach(), spec.tensor_parallel)
+
+
+def global_of(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The whole parameter-shaped tensor one process would hold, from a full (gathered over fxshard's group) one: the
+    tensor itself, or under tensor parallelism gathered over the tp dimension too (a collective)."""
+    return full if spec.tensor_parallel is None else global_value(full, spec.tensor_parallel)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -93,7 +116,7 @@ def sharded_value(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     split: every rank gets it whole (a plain tensor, gathered: one element)."""
     shard = shard.detach()
     if not spec.full_shape:
-        return gather_full(shard, spec)
+        return unsharded_value(gather_full(shard, spec), spec)
     start, stop = _rows_of(spec, spec.rank)
     if rows_are_shard(spec):
         local = shard[: (stop - start) * _row_numel(spec)].view(stop - start, *spec.full_shape[1:])
@@ -106,16 +129,16 @@ def rows_of_full(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """The state-dict value of a parameter whose full value this rank holds anyway (stage 2's resident copy): a
     DTensor whose local tensor is a view of this rank's rows. No communication."""
     if not spec.full_shape:
-        return full.detach()
+        return unsharded_value(full, spec)
     start, stop = _rows_of(spec, spec.rank)
     return _as_dtensor(full.detach()[start:stop], spec)
 
 
 def _check_shape(value, spec: ShardSpec, what: str) -> None:
-    if not torch.is_tensor(value) or tuple(value.shape) != spec.full_shape:
+    if not torch.is_tensor(value) or tuple(value.shape) != spec.global_shape:
         got = list(value.shape) if torch.is_tensor(value) else type(value).__name__
         raise FxShardError(
-            f"{what}: the state dict holds {got}, the parameter {spec.name} has shape {list(spec.full_shape)}; "
+            f"{what}: the state dict holds {got}, the parameter {spec.name} has shape {list(spec.global_shape)}; "
             "load a state dict (or checkpoint) saved from the same model"
         )
 
@@ -123,6 +146,10 @@ def _check_shape(value, spec: ShardSpec, what: str) -> None:
 def _in_our_layout(value: DTensor, spec: ShardSpec) -> bool:
     """Whether ``value`` is split as this module splits ``spec``'s parameter: Shard(0) over the same ranks. The same
     answer on every rank, so every rank takes the same (collective or not) path."""
+    tp = spec.tensor_parallel
+    if tp is not None:
+        return (tuple(value.placements) == tp.sharded_placements
+                and value.device_mesh.mesh.tolist() == tp.sharded_mesh.mesh.tolist())
     if tuple(value.placements) != (Shard(0),) or value.device_mesh.ndim != 1:
         return False
     ours = mesh_of(spec, value.device_mesh.device_type)
@@ -135,18 +162,24 @@ def shard_from_value(value, spec: ShardSpec, dtype: torch.dtype, what: str) -> t
     parameter: a full-shape tensor, or a DTensor of any layout (one of another layout, or whose rows cross shard
     boundaries, is gathered: a collective, every rank calls it). Anything else raises FxShardError."""
     _check_shape(value, spec, what)
-    if isinstance(value, DTensor):
-        if spec.full_shape and _in_our_layout(value, spec) and rows_are_shard(spec):
-            local = value.to_local().reshape(-1)
-            shard = torch.zeros(spec.chunk, dtype=dtype, device=local.device)
-            shard[: local.numel()] = local
-            return shard
-        value = value.full_tensor()
-    return shard_of(value.to(dtype), spec)
+    if isinstance(value, DTensor) and spec.full_shape and _in_our_layout(value, spec) and rows_are_shard(spec):
+        local = value.to_local().reshape(-1)
+        shard = torch.zeros(spec.chunk, dtype=dtype, device=local.device)
+        shard[: local.numel()] = local
+        return shard
+    return shard_of(_full_of(value, spec).to(dtype), spec)
 
 
 def full_from_value(value, spec: ShardSpec, what: str) -> torch.Tensor:
-    """The full tensor of a state-dict value for a parameter this rank holds in full (stages 0, 1): a DTensor is
-    gathered (every rank calls it)."""
+    """The full tensor (under tensor parallelism: this tp rank's piece) of a state-dict value for a parameter this
+    rank holds in full (stages 0, 1): a DTensor of another layout is gathered (every rank calls it)."""
     _check_shape(value, spec, what)
+    return _full_of(value, spec)
+
+
+def _full_of(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """What fxshard's group shards of a value of the parameter's global shape: the whole value, or under tensor
+    parallelism this tp rank's piece of it."""
+    if spec.tensor_parallel is not None:
+        return local_value(value, spec.tensor_parallel)
     return value.full_tensor() if isinstance(value, DTensor) else value

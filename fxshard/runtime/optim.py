@@ -29,6 +29,7 @@ from fxshard.torch_compat import c10d_functional as _c10d
 
 from . import optimizer_state_dict
 from .groups import peer_failures_explained
+from .layout import full_from_value, gather_full, global_of
 from .ops import cast_to, flat_padded, reduce_scatter_mean
 from .prepare import (
     FULL_COPY_OF,
@@ -38,7 +39,6 @@ from .prepare import (
     REPLACED_BY_SHARD,
     SPEC_OF,
     GradSync,
-    gather_full,
     replace_updated_state,
     spec_of,
     updating_optimizer,
@@ -109,11 +109,7 @@ def shard_optimizer_over(
     for param, param_state in optimizer.state.items():
         target = updated[id(param)]
         spec = spec_of(target)
-        state[target] = {
-            key: shard_of(value, spec)
-            if stage >= 1 and torch.is_tensor(value) and tuple(value.shape) == spec.full_shape else value
-            for key, value in param_state.items()
-        }
+        state[target] = {key: _held_state_laid_out(value, spec) for key, value in param_state.items()}
     if stage == 1:
         updating = _same_kind(optimizer, updated)
         updating.state.update(state)
@@ -134,6 +130,15 @@ def shard_optimizer_over(
     if stage == 1:
         MasterStep(optimizer, updating)
     return optimizer
+
+
+def _held_state_laid_out(value, spec: ShardSpec):
+    """A state the optimizer held before prepare, laid out like what this rank now updates: a per-element one (of
+    the parameter's shape) becomes its flat shard (stages 1-3), or under tensor parallelism this tp rank's piece."""
+    if not torch.is_tensor(value) or tuple(value.shape) != spec.global_shape:
+        return value
+    full = full_from_value(value, spec, spec.name)
+    return shard_of(full, spec) if spec.stage >= 1 else full
 
 
 def _refuse_new_param_group(stage: int, param_group: dict) -> None:
@@ -368,14 +373,23 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     norm_type = float(norm_type)
     if not params:
         return torch.tensor(0.0)
-    grads = [p.grad for p in params]
-    if norm_type == math.inf:
-        local = torch.stack([g.abs().max() for g in grads]).max()
-    else:
-        local = torch.stack([torch.linalg.vector_norm(g, norm_type) ** norm_type for g in grads]).sum()
+    op = "max" if norm_type == math.inf else "sum"
+    # a gradient split over a tensor-parallel dimension adds its tp ranks' terms; a Replicate one counts once
+    grads_over: dict[str, list[torch.Tensor]] = {}  # tp group ("": none) -> gradients split over it
+    for param in params:
+        tp = spec_of(param).tensor_parallel
+        grads_over.setdefault(tp.mesh.get_group().group_name if tp is not None and tp.splits else "", []).append(
+            param.grad)
+    terms = []
+    for tp_group, grads in grads_over.items():
+        if norm_type == math.inf:
+            term = torch.stack([g.abs().max() for g in grads]).max()
+        else:
+            term = torch.stack([torch.linalg.vector_norm(g, norm_type) ** norm_type for g in grads]).sum()
+        terms.append(_c10d.wait_tensor(_c10d.all_reduce(term, op, tp_group)) if tp_group else term)
+    local = torch.stack(terms).max() if norm_type == math.inf else torch.stack(terms).sum()
     spec = spec_of(params[0])
     if spec.stage >= 1:  # each rank holds a disjoint shard of the gradient (zero padding adds nothing)
-        op = "max" if norm_type == math.inf else "sum"
         local = _c10d.wait_tensor(_c10d.all_reduce(local, op, spec.group_name))
     total = local if norm_type == math.inf else local ** (1.0 / norm_type)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
@@ -407,7 +421,7 @@ def full_state_dict(optimizer: torch.optim.Optimizer) -> dict:
             if updated not in updating.state:
                 continue
             state[spec.name] = {  # stages 1-3 update flat shards, stage 0 full parameters
-                kind: (gather_full(value, spec) if spec.stage >= 1 else value.clone())
+                kind: global_of(gather_full(value, spec) if spec.stage >= 1 else value.clone(), spec)
                 if _is_per_element(value, updated)
                 else (value.clone() if torch.is_tensor(value) else value)
                 for kind, value in updating.state[updated].items()
@@ -439,11 +453,11 @@ def load_full_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
             kinds = {}
             for kind, value in saved.items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    if tuple(value.shape) != spec.full_shape:
+                    if tuple(value.shape) != spec.global_shape:
                         raise FxShardError(f"{spec.name}: {kind} has shape {list(value.shape)}, the parameter "
-                                           f"{list(spec.full_shape)}; load a full optimizer state dict (from "
+                                           f"{list(spec.global_shape)}; load a full optimizer state dict (from "
                                            "backend.full_optimizer_state_dict()) of the same model")
-                    value = value.to(updated.dtype)
+                    value = full_from_value(value, spec, f"{spec.name}: {kind}").to(updated.dtype)
                     kinds[kind] = shard_of(value, spec) if spec.stage >= 1 else value.clone()
                 else:
                     kinds[kind] = value.clone() if torch.is_tensor(value) else value

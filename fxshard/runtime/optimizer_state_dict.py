@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.errors import FxShardError
 
-from .layout import full_from_value, shard_from_value, sharded_value
+from .layout import full_from_value, shard_from_value, sharded_value, unsharded_value
 from .prepare import replace_updated_state, spec_of, updating_optimizer
 from .sharding import ShardSpec
 
@@ -66,7 +66,8 @@ def optimizer_state_dict_pre_hook(optimizer: torch.optim.Optimizer) -> None:
 
 def optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """Per-element state of a flat shard (stages 1-3) becomes a DTensor of the parameter's full shape (see the
-    module's docstring); stage 0's full state and scalars stay as they are. A collective where a parameter's rows
+    module's docstring); stage 0's full state (under tensor parallelism: a DTensor over the tp dimension) and
+    scalars stay as they are. A collective where a parameter's rows
     cross shard boundaries: every rank calls ``state_dict()``."""
     updated = updated_tensors(optimizer)
     state = {}
@@ -74,7 +75,8 @@ def optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict:
         param = updated[key]
         spec = spec_of(param)
         state[key] = {
-            kind: sharded_value(value, spec) if spec.stage >= 1 and _is_per_element(value, param) else value
+            kind: (sharded_value(value, spec) if spec.stage >= 1 else unsharded_value(value, spec))
+            if _is_per_element(value, param) else value
             for kind, value in kinds.items()
         }
     if getattr(optimizer, _MADE_FOR_STATE_DICT, False):

@@ -13,6 +13,10 @@ Its backward, ``fxshard.reduce_grad``, all-reduces (stage 0) or reduce-scatters 
 needs no marker: gradients stay full and local until ``optimizer.step()``, which reduce-scatters them into the
 master shards, updates those, and all-gathers the result into the parameters.
 
+A parameter that is a DTensor over a tensor-parallel mesh dimension is laid out by its local tensor, and its accessor
+(at every stage, stage 1 included) returns the DTensor made of the full local value
+(``fxshard.runtime.tensor_parallel``).
+
 Parameters are sharded by identity, so a tied embedding / LM head is one leaf read through two accessors. Buffers
 stay replicated.
 """
@@ -33,10 +37,11 @@ from fxshard.passes.context import COLLECTIVE_TIMEOUT_S
 from fxshard.torch_compat import tree_map
 
 from .groups import collective_group
-from .layout import full_from_value, gather_full, rows_of_full, shard_from_value, sharded_value
+from .layout import full_from_value, gather_full, rows_of_full, shard_from_value, sharded_value, unsharded_value
 from .materialise import InitFn, born_on_meta, default_device, materialise_unit_by_unit, share_random_state
 from .ops import unshard
 from .sharding import ShardSpec, shard_of
+from .tensor_parallel import as_tensor_parallel, take_local_tensors
 
 _SPECS = "_fxshard_specs"  # module attribute: {parameter attribute name: ShardSpec}
 _PATH = "_fxshard_path"  # module attribute: the module's qualified name in the prepared model
@@ -118,13 +123,17 @@ def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
             f"{None if local is None else list(local.shape)}, prepare left {list(spec.local_shape)}); "
             "change the model before backend.prepare(model, optimizer), or prepare the changed model anew"
         )
-    fqn = f"{getattr(module, _PATH)}.{name}" if getattr(module, _PATH) else name
-    resident = module._buffers.get(_RESIDENT + name)
-    grad_reduction = spec.grad_reduction
-    if spec.stage == 0 and not getattr(module, _GRAD_SYNC).enabled:  # Dynamo guards on it: one graph per setting
-        grad_reduction = "none"
-    return unshard(local, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, grad_reduction,
-                   spec.param_dtype, spec.reduce_dtype, spec.replicate_size, spec.replicate_group_name)
+    if spec.stage == 1:  # read directly: an accessor only wraps a tensor-parallel piece
+        full = local
+    else:
+        fqn = f"{getattr(module, _PATH)}.{name}" if getattr(module, _PATH) else name
+        resident = module._buffers.get(_RESIDENT + name)
+        grad_reduction = spec.grad_reduction
+        if spec.stage == 0 and not getattr(module, _GRAD_SYNC).enabled:  # Dynamo guards on it: a graph per setting
+            grad_reduction = "none"
+        full = unshard(local, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, grad_reduction,
+                       spec.param_dtype, spec.reduce_dtype, spec.replicate_size, spec.replicate_group_name)
+    return full if spec.tensor_parallel is None else as_tensor_parallel(full, spec.tensor_parallel)
 
 
 @functools.cache
@@ -147,7 +156,7 @@ def _saved_value(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     master = MASTER_OF.get(param)
     if master is not None and master.dtype != param.dtype:  # stage 1 computes in a lower precision than it trains
         return sharded_value(master, spec)
-    return param.detach()
+    return unsharded_value(param, spec)
 
 
 def _state_dict_values(module, state_dict, prefix, local_metadata):
@@ -171,7 +180,8 @@ def _load_state_dict_shard(module, state_dict, prefix, *args):
                 shard = shard_from_value(value, spec, param.dtype, key)
                 resident = module._buffers.get(_RESIDENT + name)
                 if resident is not None:  # a full tensor is copied as it is; a DTensor's rows are gathered
-                    full = value if not isinstance(value, DTensor) else gather_full(shard, spec, resident.dtype)
+                    full = (gather_full(shard, spec, resident.dtype) if isinstance(value, DTensor)
+                            else full_from_value(value, spec, key))
                     resident.copy_(full)
                 state_dict[key] = shard
                 continue
@@ -273,20 +283,6 @@ def _specs_by_parameter(model: nn.Module, spec_for) -> dict[int, tuple[nn.Parame
     return specs
 
 
-def _refuse_distributed_tensors(model: nn.Module) -> None:
-    """FxShardError, before anything changes, for a parameter that is a DTensor already (tensor parallelism's
-    ``parallelize_module``, or FSDP2's ``fully_shard``): fxshard lays out plain tensors only."""
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            dims = param.device_mesh.mesh_dim_names or tuple(range(param.device_mesh.ndim))
-            raise FxShardError(
-                f"parameter {name!r} is a DTensor (placements {tuple(param.placements)} over mesh dimensions "
-                f"{tuple(dims)}); fxshard shards plain tensors only and does not compose with tensor parallelism "
-                "or fully_shard yet. Prepare the model before any parallelize_module / fully_shard, or train this "
-                "layout with FSDP2"
-            )
-
-
 def shard_parameters(
     model: nn.Module,
     stage: int,
@@ -296,6 +292,7 @@ def shard_parameters(
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
     replicate_group=None,
     mesh_group=None,
+    shard_mesh=None,
     *,
     param_init_fn: InitFn | None = None,
     device: torch.device | str | None = None,
@@ -304,7 +301,9 @@ def shard_parameters(
     """Lay out every parameter of ``model`` for ``stage``, in place; returns {id(original param): trainable leaf}
     and the model's GradSync. Each ShardSpec names the group fxshard communicates on (``collective_group``), and
     with ``replicate_group`` (hybrid sharding) the group each shard's gradient is then averaged over and
-    ``mesh_group``, every rank of the mesh.
+    ``mesh_group``, every rank of the mesh. Parameters that are DTensors over a tensor-parallel mesh dimension
+    (``parallelize_module``) are laid out by their local tensors (``fxshard.runtime.tensor_parallel``); their
+    mesh and ``shard_mesh``, the mesh dimension fxshard shards over, must be slices of one mesh.
 
     A model built on the meta device is materialised one module at a time on ``device`` (default: the CPU, or the
     current CUDA device on NCCL) and initialised by ``param_init_fn`` or each module's ``reset_parameters()``, a
@@ -312,7 +311,13 @@ def shard_parameters(
     and buffers are the first rank's (broadcast)."""
     if is_prepared(model) or any(spec_of(p) is not None for p in model.parameters()):
         raise FxShardError("this model is already prepared; call backend.prepare once per model")
-    _refuse_distributed_tensors(model)
+    if any(isinstance(p, DTensor) for p in model.parameters()) and born_on_meta(model):
+        raise FxShardError(
+            "this model's parameters are tensor-parallel DTensors on the meta device; prepare materialises a model "
+            "built on meta without tensor parallelism only: build it real (parallelize_module then moves each tp "
+            "rank's piece), or build it on meta, prepare it without tensor parallelism"
+        )
+    tensor_parallel = take_local_tensors(model, shard_mesh)
     grad_sync = GradSync()
     model.__dict__[_GRAD_SYNC] = grad_sync
     group = _resolve_group(group)
@@ -325,7 +330,8 @@ def shard_parameters(
     }
     synced_over = [group] if replicate_group is None else [group, replicate_group]
     specs = _specs_by_parameter(model, lambda name, param: ShardSpec(
-        name, tuple(param.shape), world_size, rank, group_name, stage, param_dtype, reduce_dtype, **replicas))
+        name, tuple(param.shape), world_size, rank, group_name, stage, param_dtype, reduce_dtype, **replicas,
+        tensor_parallel=tensor_parallel[id(param)][1] if id(param) in tensor_parallel else None))
     leaves: dict[int, nn.Parameter] = {}
     if born_on_meta(model):
         device = torch.device(device) if device is not None else default_device(group)
@@ -362,8 +368,8 @@ def shard_parameters(
         module.register_load_state_dict_pre_hook(_load_state_dict_shard)
         for name, param in owned.items():
             module._parameters[name] = leaves[id(param)]  # the parameter itself, unless sharded or born on meta
-        if stage == 1:  # no marker: the parameters stay the leaves, read directly
-            continue
+        if stage == 1 and not any(SPEC_OF[leaves[id(p)]].tensor_parallel for p in owned.values()):
+            continue  # no marker: the parameters stay the leaves, read directly
         for name, param in owned.items():
             if stage == 2:
                 module.register_buffer(_RESIDENT + name, FULL_COPY_OF[leaves[id(param)]], persistent=False)
@@ -371,4 +377,6 @@ def shard_parameters(
         module.__class__ = _accessor_class(type(module), tuple(owned))
     if param_dtype is not None:
         model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
+    for key, (dtensor, _) in tensor_parallel.items():  # the optimizer holds the DTensor parameters
+        leaves[id(dtensor)] = REPLACED_BY_SHARD[dtensor] = leaves.pop(key)
     return leaves, grad_sync

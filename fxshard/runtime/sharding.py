@@ -19,9 +19,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fxshard.errors import FxShardError
+
+if TYPE_CHECKING:
+    from .tensor_parallel import TensorParallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,15 @@ class ShardSpec:
     replicate_group_name: str = ""
     replicate_size: int = 1
     mesh_group_name: str = ""  # hybrid sharding: a group of every rank of the mesh (checkpoints are written over it)
+    # tensor parallelism: the parameter is a DTensor over a tp mesh dimension, and full_shape is its LOCAL tensor's
+    # shape, the tensor fxshard shards and gathers (fxshard/runtime/tensor_parallel.py)
+    tensor_parallel: TensorParallel | None = None
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The parameter's shape as the model declares it (and state dicts hold it): under tensor parallelism its
+        DTensor's shape, else ``full_shape``."""
+        return self.full_shape if self.tensor_parallel is None else tuple(self.tensor_parallel.shape)
 
     @property
     def all_ranks_group_name(self) -> str:

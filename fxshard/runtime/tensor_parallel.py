@@ -1,0 +1,126 @@
+"""Tensor parallelism beside fxshard: parameters that are DTensors over a tensor-parallel mesh dimension.
+
+torch's ``parallelize_module`` leaves each parameter a DTensor over the "tp" dimension of a DeviceMesh: a Colwise
+weight ``Shard(0)``, a Rowwise weight ``Shard(1)``, biases and norms ``Replicate()``. fxshard lays out each one's
+LOCAL tensor (this tp rank's piece) as it lays out any parameter: ``prepare`` replaces the DTensor by a plain
+Parameter of its local tensor and shards that over fxshard's data-parallel group, and the module's accessor returns
+``DTensor.from_local(<the local tensor, gathered>, tp mesh, placement)``. The marker ops, the passes and the
+optimizer see plain tensors only; DTensor's own ops, with their tp collectives, trace into the same graph. FSDP2
+does the same (``_init_sharding_spec_tp`` shards ``param._local_tensor``).
+
+A state dict describes each shard on both dimensions, as FSDP2's does: a DTensor of the global shape over fxshard's
+shard dimension and the tp dimension (``concatenate_meshes``), placements ``(Shard(0), tp placement)``, or
+``(_StridedShard(0, T), Shard(0))`` where tp splits dim 0 too (data parallelism then splits each tp rank's rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
+
+from fxshard.errors import FxShardError
+from fxshard.torch_compat import concatenate_meshes, strided_shard
+
+SUPPORTED = "one tensor-parallel mesh dimension, placement Shard(dim) or Replicate() (parallelize_module's Colwise, " \
+            "Rowwise and SequenceParallel layouts)"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """How one parameter is split over the tensor-parallel mesh dimension, and the mesh its shards are described on."""
+
+    mesh: DeviceMesh  # 1-D: the tensor-parallel dimension
+    placement: Placement  # Shard(dim) or Replicate() over it
+    shape: torch.Size  # the parameter's global shape
+    stride: tuple[int, ...]
+    sharded_mesh: DeviceMesh  # fxshard's shard dimension, then the tensor-parallel one
+
+    @property
+    def degree(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def splits(self) -> bool:
+        """Whether each tp rank holds a different piece (Shard), not the whole parameter (Replicate)."""
+        return isinstance(self.placement, Shard)
+
+    @property
+    def sharded_placements(self) -> tuple[Placement, Placement]:
+        """A flat shard's rows on ``sharded_mesh``: dp splits each tp rank's local tensor by rows."""
+        if isinstance(self.placement, Shard) and self.placement.dim == 0:
+            return strided_shard(0, self.degree), self.placement
+        return Shard(0), self.placement
+
+
+def as_tensor_parallel(local: torch.Tensor, tp: TensorParallel) -> DTensor:
+    """The DTensor the model computes with, from this tp rank's local tensor (differentiable; no communication)."""
+    return DTensor.from_local(local, tp.mesh, (tp.placement,), run_check=False, shape=tp.shape, stride=tp.stride)
+
+
+def global_value(local: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The whole parameter from every tp rank's local tensor (a collective over the tp dimension)."""
+    return as_tensor_parallel(local, tp).full_tensor()
+
+
+def local_value(value: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This tp rank's local tensor of ``value``: a DTensor laid out as ``tp`` (no copy), or of any other layout
+    (gathered: every rank calls it), or the whole parameter (sliced here)."""
+    if isinstance(value, DTensor):
+        if tuple(value.placements) == (tp.placement,) and value.device_mesh.mesh.tolist() == tp.mesh.mesh.tolist():
+            return value.to_local()
+        value = value.full_tensor()
+    return distribute_tensor(value, tp.mesh, (tp.placement,), src_data_rank=None).to_local()
+
+
+def _tensor_parallel_of(name: str, param: DTensor, shard_mesh: DeviceMesh | None) -> TensorParallel:
+    """The layout of DTensor parameter ``name``, or FxShardError saying why fxshard cannot compose with it."""
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    described = f"parameter {name!r} is a DTensor with placements {placements} over mesh dimensions " \
+                f"{mesh.mesh_dim_names or tuple(range(mesh.ndim))}"
+    if mesh.ndim != 1 or not (type(placements[0]) is Shard or isinstance(placements[0], Replicate)):
+        raise FxShardError(f"{described}; fxshard composes with {SUPPORTED}. Apply fully_shard-like sharding "
+                           "through fxshard only, and tensor parallelism over one mesh dimension")
+    if shard_mesh is None:
+        raise FxShardError(f"{described}; give the backend the mesh dimension(s) to shard over, slices of that same "
+                           'mesh: fxshard.backend(stage=3, mesh=mesh["dp"])')
+    try:
+        sharded_mesh = concatenate_meshes([shard_mesh, mesh])
+    except RuntimeError as error:
+        raise FxShardError(
+            f"{described}, which is not a dimension of the mesh fxshard shards over beside its own "
+            f"({shard_mesh.mesh_dim_names}): {error}. Slice both from one mesh, e.g. mesh = init_device_mesh(device, "
+            '(dp, tp), mesh_dim_names=("dp", "tp")), parallelize_module(model, mesh["tp"], plan), '
+            'fxshard.backend(stage=3, mesh=mesh["dp"])'
+        ) from None
+    return TensorParallel(mesh, placements[0], param.shape, param.stride(), sharded_mesh)
+
+
+def take_local_tensors(
+    model: nn.Module, shard_mesh: DeviceMesh | None
+) -> dict[int, tuple[nn.Parameter, TensorParallel]]:
+    """Replace each DTensor parameter of ``model`` by a Parameter of its local tensor (sharing its storage), in place,
+    a tied one once; returns {id(new parameter): (the DTensor parameter it replaced, its layout)}. FxShardError,
+    before any change, for a layout fxshard cannot compose with, or a DTensor buffer. ``shard_mesh``: the mesh
+    dimension fxshard shards over (None: the backend was given no mesh)."""
+    for name, buffer in model.named_buffers():
+        if isinstance(buffer, DTensor):
+            raise FxShardError(f"buffer {name!r} is a DTensor ({tuple(buffer.placements)}); fxshard composes with "
+                               "tensor-parallel parameters, and keeps buffers as plain tensors: make it a plain one")
+    found: dict[int, tuple[nn.Parameter, TensorParallel]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if isinstance(param, DTensor) and id(param) not in found:
+                found[id(param)] = (param, _tensor_parallel_of(f"{path}.{name}" if path else name, param, shard_mesh))
+    with torch.no_grad():
+        local_of = {key: nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
+                    for key, (param, _) in found.items()}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in found:
+                module._parameters[name] = local_of[id(param)]
+    return {id(local_of[key]): found[key] for key in found}
