@@ -98,3 +98,70 @@ def train_against_reference(model_name: str, optimizer: str, stage: int, steps: 
         "optimizer_layout": {k: layout_of(v) for k, v in opt.state_dict()["state"][0].items()},
         "lr": LR[optimizer],
     }
+
+
+def _fsdp2_with_tensor_parallel(model_name: str, mesh):
+    """FSDP2 + TP as torchtitan builds it: parallelize_module over "tp", then fully_shard each block and the root
+    over "dp"."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(model_name)
+    model = parallelize_module(model, mesh["tp"], _plan(model_name, model))
+    for block in (model.layers if model_name == "llama" else [model.fc1, model.fc2]):
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, make_optimizer("adamw", model.parameters())
+
+
+def _fxshard_with_tensor_parallel(model_name: str, mesh, stage: int):
+    model = _model(model_name)
+    model = parallelize_module(model, mesh["tp"], _plan(model_name, model))
+    backend = fxshard.backend(stage=stage, compiler="eager", mesh=mesh["dp"])
+    model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
+    return model, opt, torch.compile(model, backend=backend, fullgraph=True)
+
+
+def _train(model_name: str, mesh, run, opt, generator: torch.Generator, steps: int) -> None:
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    for _ in range(steps):
+        batch = _batch(model_name, dp * PER_RANK_BATCH, generator)
+        _loss(model_name, run, tuple(t[dp_rank * PER_RANK_BATCH : (dp_rank + 1) * PER_RANK_BATCH] for t in batch)
+              ).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def checkpoints_between_fxshard_and_fsdp2(model_name: str, stage: int, directory: str) -> dict:
+    """Each side trains 2 AdamW steps and saves (fxshard: ``fxshard.checkpoint.save``; FSDP2: torch's
+    ``get_state_dict`` and ``dcp.save``); the other side loads that checkpoint its own way and trains 2 more steps
+    beside the saving side going on: the full parameters each pair ends with."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from fxshard import checkpoint
+
+    mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("dp", "tp"))
+    fsdp2, fsdp2_opt = _fsdp2_with_tensor_parallel(model_name, mesh)
+    generator = torch.Generator().manual_seed(1)
+    _train(model_name, mesh, fsdp2, fsdp2_opt, generator, 2)
+    fsdp2_saved = f"{directory}/fsdp2"
+    dcp.save(dict(zip(("model", "optim"), get_state_dict(fsdp2, fsdp2_opt))), checkpoint_id=fsdp2_saved)
+    ahead = generator.get_state()
+    _train(model_name, mesh, fsdp2, fsdp2_opt, generator, 2)
+    model, opt, run = _fxshard_with_tensor_parallel(model_name, mesh, stage)
+    checkpoint.load(model, opt, fsdp2_saved)
+    _train(model_name, mesh, run, opt, torch.Generator().set_state(ahead), 2)
+    fxshard_from_fsdp2 = (full_state(model), full_state(fsdp2))
+
+    model, opt, run = _fxshard_with_tensor_parallel(model_name, mesh, stage)
+    generator = torch.Generator().manual_seed(1)
+    _train(model_name, mesh, run, opt, generator, 2)
+    fxshard_saved = checkpoint.save(model, opt, f"{directory}/fxshard_stage_{stage}")
+    ahead = generator.get_state()
+    _train(model_name, mesh, run, opt, generator, 2)
+    fsdp2, fsdp2_opt = _fsdp2_with_tensor_parallel(model_name, mesh)
+    template = dict(zip(("model", "optim"), get_state_dict(fsdp2, fsdp2_opt)))
+    dcp.load(template, checkpoint_id=fxshard_saved)
+    set_state_dict(fsdp2, fsdp2_opt, model_state_dict=template["model"], optim_state_dict=template["optim"])
+    _train(model_name, mesh, fsdp2, fsdp2_opt, torch.Generator().set_state(ahead), 2)
+    return {"fxshard_from_fsdp2": fxshard_from_fsdp2, "fsdp2_from_fxshard": (full_state(fsdp2), full_state(model))}

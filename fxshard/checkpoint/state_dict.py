@@ -156,7 +156,7 @@ def _expected_model_entries(module: nn.Module) -> dict[str, tuple[int, ...]]:
         specs = getattr(mod, _SPECS, {})
         for name, param in mod._parameters.items():
             if param is not None:
-                entries[prefix + name] = specs[name].full_shape if name in specs else tuple(param.shape)
+                entries[prefix + name] = specs[name].global_shape if name in specs else tuple(param.shape)
         for name, buffer in mod._buffers.items():
             if buffer is not None and name not in mod._non_persistent_buffers_set:
                 entries[prefix + name] = tuple(buffer.shape)

@@ -36,7 +36,7 @@ from fxshard.torch_compat import aot_module_simplified, make_boxed_func, min_cut
 from .blocks import block_prefixes, describe_grouping, repeated_blocks
 from .consistency import check_same_schedule, prepare_check_group
 from .inductor import InductorCompiler
-from .options import COMPILERS, DEFAULT_COMPILER, STAGES, check_mesh, checked_knobs, mesh_groups, shard_dimension
+from .options import COMPILERS, DEFAULT_COMPILER, STAGES, check_mesh, checked_knobs, mesh_groups
 from .pipeline import GraphRecord, Pass, run_passes
 
 # Every tensor a backend's prepare laid out (trainable leaves, the optimizer's shards) -> that backend, weakly;
@@ -141,7 +141,7 @@ class Backend:
         leaves, grad_sync = shard_parameters(model, self.stage, groups[0], self.knobs.get("param_dtype"),
                                              self.knobs.get("reduce_dtype"),
                                              self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S),
-                                             *groups[1:], shard_dimension(self.mesh),
+                                             *groups[1:], self.mesh,
                                              param_init_fn=param_init_fn, device=device,
                                              init_units=tuple(b for b in repeated_blocks(model) if b))
         self.model = model

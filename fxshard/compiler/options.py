@@ -85,10 +85,3 @@ def mesh_groups(mesh, stage: int) -> tuple:
         return whole, None, None
     return mesh.get_group("shard"), mesh.get_group("replicate"), whole
 
-
-def shard_dimension(mesh):
-    """The 1-D mesh of the dimension a checked ``mesh`` shards over (None for no mesh): the dimension a
-    tensor-parallel parameter's own mesh dimension joins in its state-dict layout."""
-    if mesh is None or mesh.ndim == 1:
-        return mesh
-    return mesh["shard"]

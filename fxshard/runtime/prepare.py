@@ -41,7 +41,7 @@ from .layout import full_from_value, gather_full, rows_of_full, shard_from_value
 from .materialise import InitFn, born_on_meta, default_device, materialise_unit_by_unit, share_random_state
 from .ops import unshard
 from .sharding import ShardSpec, shard_of
-from .tensor_parallel import as_tensor_parallel, take_local_tensors
+from .tensor_parallel import as_tensor_parallel, every_rank, take_local_tensors
 
 _SPECS = "_fxshard_specs"  # module attribute: {parameter attribute name: ShardSpec}
 _PATH = "_fxshard_path"  # module attribute: the module's qualified name in the prepared model
@@ -292,7 +292,7 @@ def shard_parameters(
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
     replicate_group=None,
     mesh_group=None,
-    shard_mesh=None,
+    mesh=None,
     *,
     param_init_fn: InitFn | None = None,
     device: torch.device | str | None = None,
@@ -303,7 +303,7 @@ def shard_parameters(
     with ``replicate_group`` (hybrid sharding) the group each shard's gradient is then averaged over and
     ``mesh_group``, every rank of the mesh. Parameters that are DTensors over a tensor-parallel mesh dimension
     (``parallelize_module``) are laid out by their local tensors (``fxshard.runtime.tensor_parallel``); their
-    mesh and ``shard_mesh``, the mesh dimension fxshard shards over, must be slices of one mesh.
+    mesh and ``mesh``, the backend's, must be slices of one mesh.
 
     A model built on the meta device is materialised one module at a time on ``device`` (default: the CPU, or the
     current CUDA device on NCCL) and initialised by ``param_init_fn`` or each module's ``reset_parameters()``, a
@@ -317,7 +317,7 @@ def shard_parameters(
             "built on meta without tensor parallelism only: build it real (parallelize_module then moves each tp "
             "rank's piece), or build it on meta, prepare it without tensor parallelism"
         )
-    tensor_parallel = take_local_tensors(model, shard_mesh)
+    tensor_parallel = take_local_tensors(model, mesh)
     grad_sync = GradSync()
     model.__dict__[_GRAD_SYNC] = grad_sync
     group = _resolve_group(group)
@@ -328,6 +328,11 @@ def shard_parameters(
         "replicate_group_name": collective_group(replicate_group, collective_timeout_s).group_name,
         "mesh_group_name": collective_group(_resolve_group(mesh_group), collective_timeout_s).group_name,
     }
+    if tensor_parallel:  # a checkpoint is written, and graphs compared, by every rank of both dimensions
+        ranks = every_rank(mesh, next(iter(tensor_parallel.values()))[1])
+        every = (dist.group.WORLD if ranks == list(range(dist.get_world_size()))
+                 else dist.new_group(ranks=ranks, use_local_synchronization=True))
+        replicas["mesh_group_name"] = collective_group(every, collective_timeout_s).group_name
     synced_over = [group] if replicate_group is None else [group, replicate_group]
     specs = _specs_by_parameter(model, lambda name, param: ShardSpec(
         name, tuple(param.shape), world_size, rank, group_name, stage, param_dtype, reduce_dtype, **replicas,

@@ -101,12 +101,14 @@ def _tensor_parallel_of(name: str, param: DTensor, shard_mesh: DeviceMesh | None
 
 
 def take_local_tensors(
-    model: nn.Module, shard_mesh: DeviceMesh | None
+    model: nn.Module, mesh: DeviceMesh | None
 ) -> dict[int, tuple[nn.Parameter, TensorParallel]]:
     """Replace each DTensor parameter of ``model`` by a Parameter of its local tensor (sharing its storage), in place,
     a tied one once; returns {id(new parameter): (the DTensor parameter it replaced, its layout)}. FxShardError,
-    before any change, for a layout fxshard cannot compose with, or a DTensor buffer. ``shard_mesh``: the mesh
-    dimension fxshard shards over (None: the backend was given no mesh)."""
+    before any change, for a layout fxshard cannot compose with, or a DTensor buffer. ``mesh``: the backend's
+    (None: it was given none)."""
+    # a hybrid mesh's shards are described on its "shard" dimension: its replicas hold the same rows
+    shard_mesh = None if mesh is None else mesh if mesh.ndim == 1 else mesh["shard"]
     for name, buffer in model.named_buffers():
         if isinstance(buffer, DTensor):
             raise FxShardError(f"buffer {name!r} is a DTensor ({tuple(buffer.placements)}); fxshard composes with "
@@ -116,6 +118,10 @@ def take_local_tensors(
         for name, param in module._parameters.items():
             if isinstance(param, DTensor) and id(param) not in found:
                 found[id(param)] = (param, _tensor_parallel_of(f"{path}.{name}" if path else name, param, shard_mesh))
+    tp_ranks = {tuple(tp.mesh.mesh.tolist()) for _, tp in found.values()}
+    if len(tp_ranks) > 1:
+        raise FxShardError(f"the model's DTensor parameters lie on {len(tp_ranks)} different tensor-parallel "
+                           f"groups of ranks {sorted(tp_ranks)}; fxshard composes with one tensor-parallel dimension")
     with torch.no_grad():
         local_of = {key: nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
                     for key, (param, _) in found.items()}
@@ -124,3 +130,9 @@ def take_local_tensors(
             if param is not None and id(param) in found:
                 module._parameters[name] = local_of[id(param)]
     return {id(local_of[key]): found[key] for key in found}
+
+
+def every_rank(mesh: DeviceMesh, tp: TensorParallel) -> list[int]:
+    """The ranks of ``mesh`` (the backend's) and the tensor-parallel dimension together: every rank that holds a
+    piece of the model, which one checkpoint is written by."""
+    return sorted(concatenate_meshes([mesh, tp.mesh]).mesh.flatten().tolist())
