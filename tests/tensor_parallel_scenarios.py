@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import fxshard
 from examples.models import LlamaConfig, LlamaForCausalLM
-from scenarios import LR, PER_RANK_BATCH, build_model, full_state, global_batch, loss_of, make_optimizer
+from scenarios import PER_RANK_BATCH, build_model, full_state, global_batch, loss_of, make_optimizer
 
 MESH = (2, 2)  # (dp, tp)
 
@@ -59,20 +59,23 @@ def layout_of(value) -> tuple:
     return "plain", tuple(value.shape)
 
 
-def train_against_reference(model_name: str, optimizer: str, stage: int, steps: int = 3,
-                            clip: float | None = None, compiled: bool = True) -> dict:
-    """A model made tensor-parallel over "tp" (``parallelize_module``) and prepared over "dp", trained on its dp
-    rank's slice of each global batch beside one process on the whole batch; both models' full parameters, the
-    clip norms, the graphs compiled and how the state dicts hold each tensor."""
+def train_against_reference(model_name: str, optimizer: str, stage: int | None, steps: int = 3,
+                            clip: float | None = None) -> dict:
+    """A model made tensor-parallel over "tp" (``parallelize_module``) and prepared over "dp" at ``stage`` (None:
+    FSDP2's ``fully_shard`` over "dp" instead, eager), trained on its dp rank's slice of each global batch beside
+    one process on the whole batch; both models' full parameters, the clip norms, the graphs compiled and how the
+    state dicts hold each tensor."""
     mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("dp", "tp"))
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     model = _model(model_name)
     reference = copy.deepcopy(model)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer(optimizer, reference.parameters())
-    model = parallelize_module(model, mesh["tp"], _plan(model_name, model))
-    backend = fxshard.backend(stage=stage, compiler="eager", mesh=mesh["dp"])
-    model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
-    run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+    if stage is None:
+        model, opt = _fsdp2_with_tensor_parallel(model_name, mesh, optimizer)
+        backend, run = None, model
+    else:
+        model, opt, run, backend = _fxshard_with_tensor_parallel(model_name, mesh, stage, optimizer)
     generator = torch.Generator().manual_seed(1)
     norms, reference_norms = [], []
     for _ in range(steps):
@@ -80,7 +83,8 @@ def train_against_reference(model_name: str, optimizer: str, stage: int, steps: 
         local = tuple(t[dp_rank * PER_RANK_BATCH : (dp_rank + 1) * PER_RANK_BATCH] for t in batch)
         _loss(model_name, run, local).backward()
         if clip is not None:
-            norms.append(backend.clip_grad_norm_(clip).item())
+            norms.append(backend.clip_grad_norm_(clip).item() if backend else
+                         torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor().item())
         opt.step()
         opt.zero_grad()
         _loss(model_name, reference, batch).backward()
@@ -89,18 +93,18 @@ def train_against_reference(model_name: str, optimizer: str, stage: int, steps: 
         reference_opt.step()
         reference_opt.zero_grad()
     return {
+        "initial": initial,
         "final": full_state(model),
         "expected": reference.state_dict(),
         "norms": norms,
         "reference_norms": reference_norms,
-        "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
+        "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}) if backend else [],
         "model_layout": {k: layout_of(v) for k, v in model.state_dict().items()},
         "optimizer_layout": {k: layout_of(v) for k, v in opt.state_dict()["state"][0].items()},
-        "lr": LR[optimizer],
     }
 
 
-def _fsdp2_with_tensor_parallel(model_name: str, mesh):
+def _fsdp2_with_tensor_parallel(model_name: str, mesh, optimizer: str = "adamw"):
     """FSDP2 + TP as torchtitan builds it: parallelize_module over "tp", then fully_shard each block and the root
     over "dp"."""
     from torch.distributed.fsdp import fully_shard
@@ -110,15 +114,16 @@ def _fsdp2_with_tensor_parallel(model_name: str, mesh):
     for block in (model.layers if model_name == "llama" else [model.fc1, model.fc2]):
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    return model, make_optimizer("adamw", model.parameters())
+    return model, make_optimizer(optimizer, model.parameters())
 
 
-def _fxshard_with_tensor_parallel(model_name: str, mesh, stage: int):
+def _fxshard_with_tensor_parallel(model_name: str, mesh, stage: int, optimizer: str = "adamw"):
+    """The recipe of docs/tensor-parallel.md: parallelize_module over "tp", then prepare over "dp"."""
     model = _model(model_name)
     model = parallelize_module(model, mesh["tp"], _plan(model_name, model))
     backend = fxshard.backend(stage=stage, compiler="eager", mesh=mesh["dp"])
-    model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
-    return model, opt, torch.compile(model, backend=backend, fullgraph=True)
+    model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
+    return model, opt, torch.compile(model, backend=backend, fullgraph=True), backend
 
 
 def _train(model_name: str, mesh, run, opt, generator: torch.Generator, steps: int) -> None:
@@ -146,14 +151,15 @@ def checkpoints_between_fxshard_and_fsdp2(model_name: str, stage: int, directory
     _train(model_name, mesh, fsdp2, fsdp2_opt, generator, 2)
     fsdp2_saved = f"{directory}/fsdp2"
     dcp.save(dict(zip(("model", "optim"), get_state_dict(fsdp2, fsdp2_opt))), checkpoint_id=fsdp2_saved)
+    at_save = full_state(fsdp2)
     ahead = generator.get_state()
     _train(model_name, mesh, fsdp2, fsdp2_opt, generator, 2)
-    model, opt, run = _fxshard_with_tensor_parallel(model_name, mesh, stage)
+    model, opt, run, _ = _fxshard_with_tensor_parallel(model_name, mesh, stage)
     checkpoint.load(model, opt, fsdp2_saved)
     _train(model_name, mesh, run, opt, torch.Generator().set_state(ahead), 2)
     fxshard_from_fsdp2 = (full_state(model), full_state(fsdp2))
 
-    model, opt, run = _fxshard_with_tensor_parallel(model_name, mesh, stage)
+    model, opt, run, _ = _fxshard_with_tensor_parallel(model_name, mesh, stage)
     generator = torch.Generator().manual_seed(1)
     _train(model_name, mesh, run, opt, generator, 2)
     fxshard_saved = checkpoint.save(model, opt, f"{directory}/fxshard_stage_{stage}")
@@ -164,4 +170,5 @@ def checkpoints_between_fxshard_and_fsdp2(model_name: str, stage: int, directory
     dcp.load(template, checkpoint_id=fxshard_saved)
     set_state_dict(fsdp2, fsdp2_opt, model_state_dict=template["model"], optim_state_dict=template["optim"])
     _train(model_name, mesh, fsdp2, fsdp2_opt, torch.Generator().set_state(ahead), 2)
-    return {"fxshard_from_fsdp2": fxshard_from_fsdp2, "fsdp2_from_fxshard": (full_state(fsdp2), full_state(model))}
+    return {"fxshard_from_fsdp2": fxshard_from_fsdp2, "fsdp2_from_fxshard": (full_state(fsdp2), full_state(model)),
+            "at_save": at_save}

@@ -149,18 +149,3 @@ def test_the_registered_backend_compiles_with_the_backend_that_prepared(fake_wor
     assert fxshard.report(compiled) == fxshard.report(model) == backend.report()
     with pytest.raises(fxshard.FxShardError, match="this MLP was not prepared by fxshard"):
         fxshard.report(MLP())
-
-
-def test_a_tensor_parallel_model_is_refused_at_prepare_before_anything_changes(fake_world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    model = parallelize_module(MLP(), mesh, {"fc1": ColwiseParallel()})
-    before = list(model.named_parameters())
-    refused = r"parameter 'fc1.weight' is a DTensor \(placements \(Shard\(dim=0\),\) over mesh dimensions \('tp',\)\)"
-    with pytest.raises(fxshard.FxShardError, match=refused + ".*does not compose with tensor parallelism"):
-        fxshard.backend(compiler="eager", stage=3).prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    after = list(model.named_parameters())
-    assert [n for n, _ in after] == [n for n, _ in before] and all(a is b for (_, a), (_, b) in zip(after, before))
-    assert not fxshard.runtime.prepare.is_prepared(model)
