@@ -1,6 +1,7 @@
 """``python -m fxshard``: the ledger from the command line.
 
-    python -m fxshard budget --params 7.5e9 (--world 64 | --mesh 8x8) --stage 0,1,2,3 [--optimizer adamw]
+    python -m fxshard budget --params 7.5e9 (--world 64 | --mesh 8x8 | --mesh 4x8x8) [--tp T --tp-params E]
+                             --stage 0,1,2,3 [--optimizer adamw]
                              [--param-bytes 2 --grad-bytes 2 --master-bytes 4 --state-bytes 4] [--unit-params U]
                              [--format json]
     python -m fxshard report script.py [script arguments...] [--format json]
@@ -13,7 +14,9 @@ evaluates it at your sizes, with the peak of building and preparing the model (b
 share plus the largest unit, ``--unit-params`` elements, e.g. one transformer block; built whole). ``--mesh RxS``
 is hybrid sharding: R replica groups of S ranks (e.g. 8 nodes of 8 GPUs, 8x8); stages 1-3 shard over S and send
 each gradient shard across the R replicas, stage 0 all-reduces over all R*S ranks, and the bytes sent are split into
-the two dimensions.
+the two dimensions. ``--tp T`` (or a third size, ``--mesh RxSxT``) puts each data-parallel rank beside T - 1 more
+of a tensor-parallel dimension: fxshard shards each tp rank's pieces, ``--tp-params`` elements split over T (all of
+``--params`` by default) plus the rest whole, and the table is per rank at that Ψ.
 
 ``report`` runs a training script in this process (under ``torchrun``, once per rank)
 and prints each prepared backend's ledger beside the collective bytes measured in its last optimizer step (the
@@ -137,22 +140,35 @@ def _budget(args) -> int:
         raise FxShardError(f"--stage takes stages separated by commas, e.g. 0,1,2,3; got {args.stage!r}")
     if any(s not in (0, 1, 2, 3) for s in stages):
         raise FxShardError(f"stages are 0, 1, 2, 3; got {args.stage!r}")
-    replicas, world = _mesh_or_world(args)
+    replicas, world, tp = _mesh_or_world(args)
     if args.params <= 0:
         raise FxShardError("--params must be positive")
+    if tp < 1:
+        raise FxShardError("--tp must be at least 1")
+    split = args.params if args.tp_params is None else args.tp_params
+    if not 0 <= split <= args.params:
+        raise FxShardError("--tp-params is the elements tensor parallelism splits (the layers of its plan): from 0 "
+                           "to --params")
+    # what fxshard shards: each tp rank's pieces, a split parameter 1/T of it, the rest (norms, embeddings) whole
+    per_tp_rank = split / tp + (args.params - split)
     widths = {budget.B_PARAM: args.param_bytes, budget.B_GRAD: args.grad_bytes, budget.B_MASTER: args.master_bytes,
               budget.B_STATE: args.state_bytes}
     if args.unit_params is not None and not 0 < args.unit_params <= args.params:
         raise FxShardError("--unit-params is the largest unit's elements (one transformer block, say): more than 0 "
                            "and at most --params")
-    rows = budget_rows(args.params, world, stages, args.optimizer, widths, replicas, args.unit_params)
+    rows = budget_rows(per_tp_rank, world, stages, args.optimizer, widths, replicas, args.unit_params)
     if args.format == "json":
-        print(json.dumps({"params": args.params, "world": world, "replicas": replicas, "optimizer": args.optimizer,
+        print(json.dumps({"params": args.params, "world": world, "replicas": replicas, "tp": tp,
+                          "params_per_tp_rank": per_tp_rank, "optimizer": args.optimizer,
                           "unit_params": args.unit_params,
                           "widths": {str(k): v for k, v in widths.items()}, "stages": rows}, indent=2))
         return 0
     where = (f"a {replicas}x{world // replicas} mesh (R = {replicas} replicas of shard groups of N = "
              f"{world // replicas}; stage 0: N = {world})" if replicas > 1 else f"N = {world} ranks")
+    if tp > 1:
+        where += (f", each rank one of T = {tp} tensor-parallel ranks ({world * tp} ranks in all): Ψ per tp rank = "
+                  f"{split:,.0f}/T + {args.params - split:,.0f} = {per_tp_rank:,.0f}; DTensor's tp collectives move "
+                  "activations, not counted here (backend.report() has them)")
     print(f"Ψ = {args.params:,.0f} parameters on {where}, {args.optimizer}, bytes per element: "
           f"param {args.param_bytes}, grad {args.grad_bytes}, master {args.master_bytes}, state {args.state_bytes}"
           "  (GB = 10^9 bytes, GiB = 2^30 bytes)")
@@ -176,20 +192,27 @@ def _check_world(world: int | None) -> None:
         raise FxShardError("--world must be at least 1")
 
 
-def _mesh_or_world(args) -> tuple[int, int]:
-    """(replicas, ranks in all) from ``--mesh RxS`` or ``--world N``."""
+def _mesh_or_world(args) -> tuple[int, int, int]:
+    """(replicas, data-parallel ranks in all, tensor-parallel degree) from ``--mesh RxS`` or ``RxSxT``, or
+    ``--world N``, and ``--tp T``."""
     if (args.mesh is None) == (args.world is None):
-        raise FxShardError("give --world N (one group of N ranks) or --mesh RxS (hybrid: R replicas of S ranks)")
+        raise FxShardError("give --world N (one group of N ranks) or --mesh RxS (hybrid: R replicas of S ranks; "
+                           "RxSxT: and T tensor-parallel ranks each)")
     _check_world(args.world)
+    tp = getattr(args, "tp", 1)
     if args.world is not None:
-        return 1, args.world
+        return 1, args.world, tp
     try:
-        replicas, shards = (int(x) for x in args.mesh.lower().split("x"))
+        sizes = [int(x) for x in args.mesh.lower().split("x")]
     except ValueError:
-        raise FxShardError(f"--mesh takes RxS (replicas x shard-group size), e.g. 8x8; got {args.mesh!r}")
-    if replicas < 1 or shards < 1:
-        raise FxShardError(f"--mesh needs R and S of at least 1, got {args.mesh!r}")
-    return replicas, replicas * shards
+        sizes = []
+    if len(sizes) not in (2, 3) or (len(sizes) == 3 and tp != 1):
+        raise FxShardError(f"--mesh takes RxS (replicas x shard-group size, e.g. 8x8) or RxSxT (and the "
+                           f"tensor-parallel degree, e.g. 4x8x8; then no --tp); got {args.mesh!r}")
+    if min(sizes) < 1:
+        raise FxShardError(f"--mesh needs sizes of at least 1, got {args.mesh!r}")
+    replicas, shards, tp = (*sizes, tp)[:3]
+    return replicas, replicas * shards, tp
 
 
 @contextlib.contextmanager
@@ -278,7 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = commands.add_parser("budget", help="memory and communication of a hypothetical model, per stage")
     plan.add_argument("--params", type=float, required=True, help="parameter elements, e.g. 7.5e9")
     plan.add_argument("--world", type=int, help="ranks N")
-    plan.add_argument("--mesh", help="hybrid sharding: RxS, R replicas of shard groups of S ranks (e.g. 8x8)")
+    plan.add_argument("--mesh", help="hybrid sharding: RxS, R replicas of shard groups of S ranks (e.g. 8x8); "
+                      "RxSxT: with T tensor-parallel ranks each (e.g. 4x8x8)")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel degree T (each of the data-parallel "
+                      "ranks is T ranks)")
+    plan.add_argument("--tp-params", type=float, help="elements tensor parallelism splits over T (default: all of "
+                      "--params; the rest, norms and embeddings, is whole on every tp rank)")
     plan.add_argument("--stage", default="0,1,2,3", help="stages, comma separated")
     plan.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     plan.add_argument("--param-bytes", type=int, default=2, help="bytes per element of the compute copy (2)")

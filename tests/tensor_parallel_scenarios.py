@@ -3,6 +3,7 @@ runs. The tensor-parallel plans are torchtitan's: Colwise into a block, Rowwise 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -11,6 +12,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fxshard
+from fxshard import budget
+from fxshard.report.measure import CollectiveCounter
 from examples.models import LlamaConfig, LlamaForCausalLM
 from scenarios import PER_RANK_BATCH, build_model, full_state, global_batch, loss_of, make_optimizer
 
@@ -59,33 +62,50 @@ def layout_of(value) -> tuple:
     return "plain", tuple(value.shape)
 
 
+def _meshes(shape: tuple[int, ...]):
+    """A (dp, tp) or (replicate, shard, tp) mesh, the slice the data-parallel sharding takes, and this rank's place
+    on it (which slice of each global batch it trains on)."""
+    if len(shape) == 2:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        dp_mesh = mesh["dp"]
+    else:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp"))
+        dp_mesh = mesh["replicate", "shard"]
+    dp_rank = 0
+    for coordinate, size in zip(dp_mesh.get_coordinate(), dp_mesh.shape):
+        dp_rank = dp_rank * size + coordinate
+    return mesh, dp_mesh, dp_rank
+
+
 def train_against_reference(model_name: str, optimizer: str, stage: int | None, steps: int = 3,
-                            clip: float | None = None) -> dict:
-    """A model made tensor-parallel over "tp" (``parallelize_module``) and prepared over "dp" at ``stage`` (None:
-    FSDP2's ``fully_shard`` over "dp" instead, eager), trained on its dp rank's slice of each global batch beside
-    one process on the whole batch; both models' full parameters, the clip norms, the graphs compiled and how the
-    state dicts hold each tensor."""
-    mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("dp", "tp"))
-    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+                            clip: float | None = None, mesh_shape: tuple[int, ...] = MESH) -> dict:
+    """A model made tensor-parallel over "tp" (``parallelize_module``) and prepared over the data-parallel
+    dimension(s) at ``stage`` (None: FSDP2's ``fully_shard`` over them instead, eager), trained on its dp rank's
+    slice of each global batch beside one process on the whole batch; both models' full parameters, the clip norms,
+    the graphs compiled, how the state dicts hold each tensor, and the bytes of the last step's collectives,
+    measured and the ledger's."""
+    mesh, dp_mesh, dp_rank = _meshes(mesh_shape)
+    dp = dp_mesh.size()
     model = _model(model_name)
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer(optimizer, reference.parameters())
     if stage is None:
-        model, opt = _fsdp2_with_tensor_parallel(model_name, mesh, optimizer)
+        model, opt = _fsdp2_with_tensor_parallel(model_name, mesh, dp_mesh, optimizer)
         backend, run = None, model
     else:
-        model, opt, run, backend = _fxshard_with_tensor_parallel(model_name, mesh, stage, optimizer)
+        model, opt, run, backend = _fxshard_with_tensor_parallel(model_name, mesh, dp_mesh, stage, optimizer)
     generator = torch.Generator().manual_seed(1)
     norms, reference_norms = [], []
-    for _ in range(steps):
+    for i in range(steps):
         batch = _batch(model_name, dp * PER_RANK_BATCH, generator)
         local = tuple(t[dp_rank * PER_RANK_BATCH : (dp_rank + 1) * PER_RANK_BATCH] for t in batch)
-        _loss(model_name, run, local).backward()
-        if clip is not None:
-            norms.append(backend.clip_grad_norm_(clip).item() if backend else
-                         torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor().item())
-        opt.step()
+        with CollectiveCounter() if i == steps - 1 else contextlib.nullcontext() as counter:
+            _loss(model_name, run, local).backward()
+            if clip is not None:
+                norms.append(backend.clip_grad_norm_(clip).item() if backend else
+                             torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor().item())
+            opt.step()
         opt.zero_grad()
         _loss(model_name, reference, batch).backward()
         if clip is not None:
@@ -99,12 +119,22 @@ def train_against_reference(model_name: str, optimizer: str, stage: int | None, 
         "norms": norms,
         "reference_norms": reference_norms,
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}) if backend else [],
+        "measured": {kind: totals["bytes"] for kind, totals in counter.totals().items()},
+        "ledger": _ledger_bytes(backend) if backend else {},
+        "report": backend.report() if backend else "",
         "model_layout": {k: layout_of(v) for k, v in model.state_dict().items()},
         "optimizer_layout": {k: layout_of(v) for k, v in opt.state_dict()["state"][0].items()},
     }
 
 
-def _fsdp2_with_tensor_parallel(model_name: str, mesh, optimizer: str = "adamw"):
+def _ledger_bytes(backend) -> dict:
+    """The bytes the ledger says each kind of collective takes per step."""
+    ledger = budget.ledger(backend)
+    return {kind: ledger.at(ledger.communicated(kind)) for kind in ("all_gather", "reduce_scatter", "all_reduce")
+            if ledger.select("comm", kind)}
+
+
+def _fsdp2_with_tensor_parallel(model_name: str, mesh, dp_mesh, optimizer: str = "adamw"):
     """FSDP2 + TP as torchtitan builds it: parallelize_module over "tp", then fully_shard each block and the root
     over "dp"."""
     from torch.distributed.fsdp import fully_shard
@@ -112,16 +142,16 @@ def _fsdp2_with_tensor_parallel(model_name: str, mesh, optimizer: str = "adamw")
     model = _model(model_name)
     model = parallelize_module(model, mesh["tp"], _plan(model_name, model))
     for block in (model.layers if model_name == "llama" else [model.fc1, model.fc2]):
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
     return model, make_optimizer(optimizer, model.parameters())
 
 
-def _fxshard_with_tensor_parallel(model_name: str, mesh, stage: int, optimizer: str = "adamw"):
+def _fxshard_with_tensor_parallel(model_name: str, mesh, dp_mesh, stage: int, optimizer: str = "adamw"):
     """The recipe of docs/tensor-parallel.md: parallelize_module over "tp", then prepare over "dp"."""
     model = _model(model_name)
     model = parallelize_module(model, mesh["tp"], _plan(model_name, model))
-    backend = fxshard.backend(stage=stage, compiler="eager", mesh=mesh["dp"])
+    backend = fxshard.backend(stage=stage, compiler="eager", mesh=dp_mesh)
     model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
     return model, opt, torch.compile(model, backend=backend, fullgraph=True), backend
 
@@ -146,7 +176,7 @@ def checkpoints_between_fxshard_and_fsdp2(model_name: str, stage: int, directory
     from fxshard import checkpoint
 
     mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("dp", "tp"))
-    fsdp2, fsdp2_opt = _fsdp2_with_tensor_parallel(model_name, mesh)
+    fsdp2, fsdp2_opt = _fsdp2_with_tensor_parallel(model_name, mesh, mesh["dp"])
     generator = torch.Generator().manual_seed(1)
     _train(model_name, mesh, fsdp2, fsdp2_opt, generator, 2)
     fsdp2_saved = f"{directory}/fsdp2"
@@ -154,18 +184,18 @@ def checkpoints_between_fxshard_and_fsdp2(model_name: str, stage: int, directory
     at_save = full_state(fsdp2)
     ahead = generator.get_state()
     _train(model_name, mesh, fsdp2, fsdp2_opt, generator, 2)
-    model, opt, run, _ = _fxshard_with_tensor_parallel(model_name, mesh, stage)
+    model, opt, run, _ = _fxshard_with_tensor_parallel(model_name, mesh, mesh["dp"], stage)
     checkpoint.load(model, opt, fsdp2_saved)
     _train(model_name, mesh, run, opt, torch.Generator().set_state(ahead), 2)
     fxshard_from_fsdp2 = (full_state(model), full_state(fsdp2))
 
-    model, opt, run, _ = _fxshard_with_tensor_parallel(model_name, mesh, stage)
+    model, opt, run, _ = _fxshard_with_tensor_parallel(model_name, mesh, mesh["dp"], stage)
     generator = torch.Generator().manual_seed(1)
     _train(model_name, mesh, run, opt, generator, 2)
     fxshard_saved = checkpoint.save(model, opt, f"{directory}/fxshard_stage_{stage}")
     ahead = generator.get_state()
     _train(model_name, mesh, run, opt, generator, 2)
-    fsdp2, fsdp2_opt = _fsdp2_with_tensor_parallel(model_name, mesh)
+    fsdp2, fsdp2_opt = _fsdp2_with_tensor_parallel(model_name, mesh, mesh["dp"])
     template = dict(zip(("model", "optim"), get_state_dict(fsdp2, fsdp2_opt)))
     dcp.load(template, checkpoint_id=fxshard_saved)
     set_state_dict(fsdp2, fsdp2_opt, model_state_dict=template["model"], optim_state_dict=template["optim"])

@@ -45,6 +45,21 @@ def test_budget_prints_the_prepare_peak_of_a_model_built_on_meta_and_built_whole
     assert "--unit-params" in capsys.readouterr().err
 
 
+def test_budget_takes_the_tensor_parallel_degree(capsys):
+    # 70B parameters of which TP splits 68B over T = 8 (the rest, embeddings and norms, whole on every tp rank):
+    # fxshard shards 68e9/8 + 2e9 = 10.5e9 elements per tp rank over N = 8, 16 bytes each with mixed-precision Adam
+    assert main(["budget", "--params", "7e10", "--world", "8", "--tp", "8", "--tp-params", "6.8e10", "--stage", "3",
+                 "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params_per_tp_rank"] == 10.5e9 and out["stages"][0]["total"] == pytest.approx(16 * 10.5e9 / 8)
+    assert main(["budget", "--params", "7e10", "--mesh", "4x8x8", "--tp-params", "6.8e10", "--stage", "3"]) == 0
+    assert "T = 8 tensor-parallel ranks (256 ranks in all)" in capsys.readouterr().out
+    assert main(["budget", "--params", "7e10", "--mesh", "4x8x8", "--tp", "2"]) == 2
+    assert "then no --tp" in capsys.readouterr().err
+    assert main(["budget", "--params", "7e10", "--world", "8", "--tp", "8", "--tp-params", "8e10"]) == 2
+    assert "--tp-params" in capsys.readouterr().err
+
+
 def test_budget_rejects_bad_stages(capsys):
     assert main(["budget", "--params", "1e9", "--world", "8", "--stage", "0,4"]) == 2
     assert "stages are 0, 1, 2, 3" in capsys.readouterr().err

@@ -44,18 +44,44 @@ def fsdp2_adamw(pools):
             for model in ("llama", "mlp")}
 
 
-@pytest.mark.parametrize("model, stage", [("llama", 3), ("mlp", 2), ("mlp", 1), ("mlp", 0)])
-def test_every_stage_with_adamw_trains_as_fsdp2_with_tensor_parallelism_does(pools, fsdp2_adamw, model, stage):
+ADAMW_RUNS = [("llama", 3), ("mlp", 2), ("mlp", 1), ("mlp", 0)]
+
+
+@pytest.fixture(scope="module")
+def adamw_runs(pools):
+    return {(model, stage): pools(4).run(tensor_parallel_scenarios.train_against_reference, model, "adamw", stage)
+            for model, stage in ADAMW_RUNS}
+
+
+@pytest.mark.parametrize("model, stage", ADAMW_RUNS)
+def test_every_stage_with_adamw_trains_as_fsdp2_with_tensor_parallelism_does(adamw_runs, fsdp2_adamw, model, stage):
     # AdamW amplifies last-bit differences where a gradient is tiny beside the sums it comes from (test_numerics):
     # up to 1.5e-4 of an update of the Llama's against one process, for FSDP2 + TP and fxshard alike, so the two
     # are compared with each other, at SGD's tolerance
-    results = pools(4).run(tensor_parallel_scenarios.train_against_reference, model, "adamw", stage)
-    for result, fsdp2 in zip(results, fsdp2_adamw[model], strict=True):
+    for result, fsdp2 in zip(adamw_runs[model, stage], fsdp2_adamw[model], strict=True):
         assert result["compiled_graphs"] == ONE_GRAPH_EACH
         assert result["final"].keys() == fsdp2["final"].keys()
         for name, value in fsdp2["final"].items():
             assert relative_error(result["final"][name], value) <= SGD_TOLERANCE, name
         assert any(not torch.equal(result["final"][name], value) for name, value in result["initial"].items())
+
+
+@pytest.mark.parametrize("model, stage", ADAMW_RUNS)
+def test_the_ledger_counts_dtensors_collectives_over_tp_and_equals_the_measured_bytes(adamw_runs, model, stage):
+    for result in adamw_runs[model, stage]:
+        assert result["ledger"] == result["measured"]
+        assert "all_reduce over tp" in result["report"] and "T=2" in result["report"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_3d_mesh_of_replicas_shards_and_tp_trains_like_one_process(pools, stage):
+    # (replicate, shard, tp) = (1, 2, 2) on the 4 ranks the suite has; examples/tensor_parallel.py --mesh 2x2x2
+    # runs 8 ranks (docs/tensor-parallel.md)
+    for result in pools(4).run(tensor_parallel_scenarios.train_against_reference, "mlp", "sgd", stage, clip=1.0,
+                               mesh_shape=(1, 2, 2)):
+        assert_matches_reference(result, "sgd")
+        assert result["compiled_graphs"] == ONE_GRAPH_EACH
+        assert result["norms"] == pytest.approx(result["reference_norms"], rel=SGD_TOLERANCE)
 
 
 def test_state_dicts_hold_each_shard_on_both_dimensions_as_fsdp2_does(mlp_runs):
@@ -80,9 +106,9 @@ def test_state_dicts_hold_each_shard_on_both_dimensions_as_fsdp2_does(mlp_runs):
         assert first_rank["optimizer_layout"] == {"momentum_buffer": state_layout}, stage
 
 
-@pytest.mark.parametrize("model, stage", [("llama", 3), ("mlp", 2), ("mlp", 1), ("mlp", 0)])
-def test_checkpoints_move_between_fxshard_and_fsdp2_with_tensor_parallelism(pools, tmp_path, model, stage):
-    result = pools(4).run(tensor_parallel_scenarios.checkpoints_between_fxshard_and_fsdp2, model, stage,
+@pytest.mark.parametrize("stage", STAGES)
+def test_checkpoints_move_between_fxshard_and_fsdp2_with_tensor_parallelism(pools, tmp_path, stage):
+    result = pools(4).run(tensor_parallel_scenarios.checkpoints_between_fxshard_and_fsdp2, "mlp", stage,
                           str(tmp_path))[0]
     for direction in ("fxshard_from_fsdp2", "fsdp2_from_fxshard"):
         resumed, went_on = result[direction]

@@ -22,7 +22,7 @@ from fxshard.torch_compat import (
     c10d_functional,
 )
 
-from .symbols import B_GRAD, B_PARAM, N, R, Term, psi, shard, sizes_at
+from .symbols import B_GRAD, B_PARAM, N, R, T, Term, psi, shard, sizes_at
 
 # Names of a model input's leading dimensions when the graph has symbolic sizes (``torch.compile(dynamic=True)``).
 SIZE_NAMES = ("batch", "seq")
@@ -145,12 +145,42 @@ def width_of(value: torch.Tensor, symbol: sympy.Symbol, values: dict) -> sympy.S
     return symbol
 
 
-def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes) -> tuple[list[Term], list[dict]]:
-    """One comm term per collective node, its input buffer in parameter counts; and the schedule rows."""
+# DTensor's collectives (tensor parallelism) as the graph holds them, by the ledger's kind
+_TENSOR_PARALLEL_KINDS = {
+    c10d_functional.all_reduce.default: "all_reduce",
+    c10d_functional.all_gather_into_tensor.default: "all_gather",
+    c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+}
+
+
+def _tensor_parallel_term(node: fx.Node, index: int, graph: str, sizes: Sizes, degree: int):
+    """A comm term and schedule row of DTensor's collective over the tensor-parallel dimension: its input buffer
+    (activations or their gradients) as its own size, over ``T`` ranks."""
+    kind = _TENSOR_PARALLEL_KINDS[node.target]
+    buffer = node.args[0].meta["val"]
+    sizes.values[T] = degree
+    term = Term("comm", kind, sizes.numel_of(buffer), sympy.Integer(buffer.element_size()), f"{graph}: {node.name}",
+                calls=1, ranks=T)
+    row = {"graph": graph, "position": index, "collective": f"{kind} over tp", "unit": "", "params": [],
+           "node": node.name, "bytes": size_hint(buffer.numel()) * buffer.element_size()}
+    return term, row
+
+
+def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes,
+                     tensor_parallel: dict[str, int] | None = None) -> tuple[list[Term], list[dict]]:
+    """One comm term per collective node, its input buffer in parameter counts; and the schedule rows.
+    ``tensor_parallel``: {group name: ranks} of the tensor-parallel dimension, whose collectives (DTensor's) count
+    too, over ``T``."""
     terms, schedule = [], []
     for index, node in enumerate(gm.graph.nodes):
         meta = _meta(node)
         kind = meta.get("role")
+        if (kind is None and tensor_parallel and node.target in _TENSOR_PARALLEL_KINDS
+                and node.args[-1] in tensor_parallel):
+            term, row = _tensor_parallel_term(node, index, graph, sizes, tensor_parallel[node.args[-1]])
+            terms.append(term)
+            schedule.append(row)
+            continue
         if kind not in COLLECTIVE_ROLES:
             continue
         buffer = node.args[0].meta["val"]

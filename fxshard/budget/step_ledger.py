@@ -21,8 +21,10 @@ Nothing here is a table keyed by ZeRO stage. Every term comes from a node (or th
   copy the graph reads, and where a gradient arrives full but the master is a shard, by a reduce-scatter.
 
 Symbols: ``N`` (the ranks a parameter is sharded over: the world size, or a 2-D mesh's shard dimension), ``R``
-(hybrid sharding only: the replicas of each shard, the mesh's replicate dimension), one element count ``ψ[name]``
-per trainable parameter (``Ψ`` is their sum), byte widths ``b_param`` (the copy the graph reads), ``b_grad``,
+(hybrid sharding only: the replicas of each shard, the mesh's replicate dimension), ``T`` (tensor parallelism
+only: the ranks of the tp dimension, which DTensor's own collectives span; their buffers are activations, counted
+at their size), one element count ``ψ[name]`` per trainable parameter (under tensor parallelism: of this tp rank's
+piece; ``Ψ`` is their sum), byte widths ``b_param`` (the copy the graph reads), ``b_grad``,
 ``b_master``, ``b_state``, and with dynamic shapes the graph's size symbols, named ``batch``/``seq`` after the model
 input dimension they come from. A shard of ``ψ`` elements holds ``ceiling(ψ/N)`` (flat padded sharding);
 :meth:`Ledger.closed_form` assumes N divides every parameter and writes the sum as Ψ.
@@ -85,6 +87,15 @@ def _names_from_model(model) -> dict[tuple, str]:
     return names
 
 
+def _tensor_parallel_groups(model) -> dict[str, int]:
+    """{group name: ranks} of the tensor-parallel dimension the model's DTensor parameters lie on ({}: none)."""
+    from fxshard.runtime.prepare import spec_of
+
+    layouts = [] if model is None else [s.tensor_parallel for p in model.parameters()
+                                        if (s := spec_of(p)) is not None and s.tensor_parallel is not None]
+    return {tp.mesh.get_group().group_name: tp.degree for tp in layouts}
+
+
 def _rename(params: dict[int, Param], names: dict[tuple, str], optimizer) -> None:
     for param in params.values():
         if param.sites:
@@ -127,6 +138,7 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
 
     optimizer = None if optimizer is None else updating_optimizer(optimizer)
     names = _names_from_model(model)
+    tensor_parallel = _tensor_parallel_groups(model)
     terms, schedule, copies = [], [], []
     all_params: dict[str, Param] = {}
     sizes, peaks, with_gradients = None, [], set()
@@ -150,7 +162,7 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
         terms += gradient_terms(graphs["backward"], params, sizes, produced, with_gradients)
         terms += saved_activations(graphs["forward"], sizes)
         for kind in ("forward", "backward"):
-            comm, rows = collective_terms(graphs[kind], f"graph {graph_id} {kind}", sizes)
+            comm, rows = collective_terms(graphs[kind], f"graph {graph_id} {kind}", sizes, tensor_parallel)
             terms += comm
             schedule += rows
             peaks.append(live_peak(graphs[kind], f"graph {graph_id} {kind}", sizes, produced))

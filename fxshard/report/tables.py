@@ -94,7 +94,7 @@ def ledger_rows(ledger: budget.Ledger, measured=None, sums: SumNames | None = No
         for ranks in groups:
             # a counter sees collectives, not their groups: its bytes go where one group runs this kind
             value = None if per_step is None or len(groups) > 1 else per_step[kind]
-            what = f"{kind} over replicas" if ranks == budget.R else kind
+            what = {budget.R: f"{kind} over replicas", budget.T: f"{kind} over tp"}.get(ranks, kind)
             add("per step", f"{what} input ({ledger.calls(kind, ranks)} calls)", ledger.communicated(kind, ranks=ranks),
                 value)
             add("per step", f"{what} sent (ring)", ledger.communicated(kind, moved=True, ranks=ranks))
@@ -118,7 +118,8 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
                            "sums": dict(zip(map(str, sums.definitions.values()), map(sorted, sums.definitions))),
                            "ledger": rows, "schedule": ledger.schedule}, indent=2, default=str)
     parts = [title or "fxshard ledger",
-             f"N={ledger.values[budget.N]}, " + (f"R={ledger.values[budget.R]}, " if budget.R in ledger.values else "")
+             f"N={ledger.values[budget.N]}, "
+             + "".join(f"{g}={ledger.values[g]}, " for g in (budget.R, budget.T) if g in ledger.values)
              + f"Ψ={ledger.at(budget.PSI)}, widths "
              + ", ".join(f"{w}={ledger.values[w]}" for w in budget.WIDTHS)]
     # a table per section, a blank line apart: the memory items' long forms and the collectives' long names never
@@ -133,6 +134,8 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
                 cell.append("" if r["measured"] is None else int(r["measured"]))
         parts.append(("\n" if index else "") + tabulate(cells, headers=headers))
     parts.append("ψ[x]: the elements of parameter x, or of all the parameters of module x; Ψ: of the whole model")
+    if budget.T in ledger.values:
+        parts.append("T: the tensor-parallel ranks; ψ and Ψ count this tp rank's pieces (split parameters: 1/T each)")
     for largest_unit in ledger.select("prepare", "largest unit"):
         parts.append(f"U: the elements of the largest unit prepare materialised whole ({largest_unit.source})")
     parts.extend(sums.legend())
