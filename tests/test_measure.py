@@ -24,6 +24,19 @@ def test_counts_each_step_apart():
     assert counter.totals()["all_gather"] == {"calls": 2, "elements": 8, "bytes": 22}
 
 
+def test_counts_the_in_place_collectives_inductors_code_calls():
+    # an all_reduce compiled by Inductor runs as all_reduce_ on a buffer; an all-gather may write into one
+    from fxshard.torch_compat import c10d_functional
+
+    with fake_process_group(2) as group, CollectiveCounter() as counter:
+        c10d_functional.wait_tensor(c10d_functional.all_reduce_(torch.ones(6), "sum", group.group_name))
+        out = torch.empty(8)
+        c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor_out(torch.ones(4), 2, group.group_name,
+                                                                               out=out))
+    assert counter.totals() == {"all_reduce": {"calls": 1, "elements": 6, "bytes": 24},
+                                "all_gather": {"calls": 1, "elements": 4, "bytes": 16}}
+
+
 def test_asking_for_a_step_that_was_not_marked_says_what_to_do():
     with CollectiveCounter() as unmarked:
         pass

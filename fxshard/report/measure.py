@@ -29,9 +29,11 @@ from fxshard.torch_compat import profiled_ops
 
 _KINDS = {
     "_c10d_functional::all_gather_into_tensor": "all_gather",
+    "_c10d_functional::all_gather_into_tensor_out": "all_gather",  # Inductor's code, into a buffer it allocated
     "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
     "_c10d_functional::all_to_all_single": "reduce_scatter",  # fxshard's reduce-scatter on gloo (then a local sum)
     "_c10d_functional::all_reduce": "all_reduce",
+    "_c10d_functional::all_reduce_": "all_reduce",  # Inductor's code reduces a buffer in place
 }
 _STEP_MARK = "fxshard::step_end"
 _ITEM_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
