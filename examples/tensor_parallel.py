@@ -9,13 +9,14 @@ Each run builds the model, applies torchtitan's plan with ``parallelize_module``
 Rowwise out of them) over the "tp" dimension, then shards it over the data-parallel dimension(s): with fxshard
 (``fxshard.backend(stage=..., mesh=mesh["dp"])``, compiled) and with FSDP2 (``fully_shard`` per layer and the model,
 eager). Rank 0 prints both runs' losses, the bytes of parameters, gradients and optimizer state this rank holds,
-the bytes handed to collectives per step (fxshard's dp gathers and reduce-scatters and DTensor's tp all-reduces
-alike) and the median step time.
+the collectives gloo ran in the last step (whoever asked: fxshard's or FSDP2's dp gathers and reductions, DTensor's
+tp all-reduces) with the bytes of their tensors, and the median step time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import pathlib
 import statistics
@@ -27,17 +28,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import fxshard  # noqa: E402
 from examples.launch import run_ranks  # noqa: E402
 from examples.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from fxshard.report.measure import CollectiveCounter  # noqa: E402
+from examples.benchmark import count_collectives  # noqa: E402
 
 CONFIG = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
 PER_RANK_BATCH, SEQ = 4, 64
+KINDS = {"AG": "all-gather", "AR": "all-reduce", "A2A": "all-to-all"}  # gloo's collectives (examples/benchmark.py)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,10 +109,11 @@ def local_bytes(tensors) -> int:
 def train(run, model, opt, dp_rank: int, dp: int, steps: int) -> dict:
     generator = torch.Generator().manual_seed(1)
     losses, times = [], []
-    with CollectiveCounter() as counter:
-        for _ in range(steps):
-            tokens = torch.randint(CONFIG.vocab_size, (dp * PER_RANK_BATCH, SEQ + 1), generator=generator)
-            mine = tokens[dp_rank * PER_RANK_BATCH : (dp_rank + 1) * PER_RANK_BATCH]
+    for step in range(steps):
+        tokens = torch.randint(CONFIG.vocab_size, (dp * PER_RANK_BATCH, SEQ + 1), generator=generator)
+        mine = tokens[dp_rank * PER_RANK_BATCH : (dp_rank + 1) * PER_RANK_BATCH]
+        profiled = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        with profiled if step == steps - 1 else contextlib.nullcontext() as prof:
             start = time.perf_counter()
             loss = run(mine[:, :-1], mine[:, 1:])
             loss.backward()
@@ -117,13 +121,12 @@ def train(run, model, opt, dp_rank: int, dp: int, steps: int) -> dict:
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - start)
-            counter.mark_step()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
-            losses.append(mean.item())
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        losses.append(mean.item())
     state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-    return {"losses": losses, "step_s": statistics.median(times[1:]), "parameters": local_bytes(model.parameters()),
-            "gradients": grads, "optimizer": local_bytes(state), "collectives": counter.totals(step=-1)}
+    return {"losses": losses, "step_s": statistics.median(times[1:-1]), "parameters": local_bytes(model.parameters()),
+            "gradients": grads, "optimizer": local_bytes(state), "collectives": count_collectives(prof)[1]}
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -140,15 +143,15 @@ def compare(args: argparse.Namespace) -> None:
           f"{PER_RANK_BATCH} x {SEQ} tokens per dp rank")
     for name, run in runs.items():
         print(f"{name:>16}: loss " + " ".join(f"{x:.6f}" for x in run["losses"]))
-    print(f"\n{'rank 0':>16}  {'parameters':>12}  {'gradients':>12}  {'optimizer':>12}  {'collective bytes':>16}  "
+    print(f"\n{'rank 0':>16}  {'parameters':>12}  {'gradients':>12}  {'optimizer':>12}  {'gloo bytes':>16}  "
           f"{'step ms':>8}")
     for name, run in runs.items():
-        moved = sum(kind["bytes"] for kind in run["collectives"].values())
+        moved = sum(nbytes for _, nbytes in run["collectives"].values())
         print(f"{name:>16}  {run['parameters']:>12,}  {run['gradients']:>12,}  {run['optimizer']:>12,}  "
               f"{moved:>16,}  {1e3 * run['step_s']:>8.1f}")
     for name, run in runs.items():
-        print(f"{name:>16}: " + ", ".join(f"{kind} {c['calls']} calls {c['bytes']:,} B"
-                                          for kind, c in sorted(run["collectives"].items())))
+        print(f"{name:>16}: " + ", ".join(f"{KINDS[kind]} {calls} calls {nbytes:,} B"
+                                          for kind, (calls, nbytes) in sorted(run["collectives"].items())))
 
 
 def main(argv=None) -> None:

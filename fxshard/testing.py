@@ -39,6 +39,10 @@ def _describe(value) -> str:
         return f"{_DTYPES.get(value.dtype, str(value.dtype))}{list(value.shape)}".replace(" ", "")
     if isinstance(value, (list, tuple)):
         return "(" + ", ".join(_describe(v) for v in value) + ")"
+    # a TorchBind object the graph takes (DTensor's process group): its class, not its address
+    script_class = getattr(value, "script_class_name", None)
+    if script_class is not None or isinstance(value, torch.ScriptObject):
+        return (script_class or "ScriptObject").rpartition(".")[2]
     return "-" if value is None else str(value)
 
 

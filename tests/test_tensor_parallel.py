@@ -10,6 +10,7 @@ from torch import nn
 import fxshard
 import tensor_parallel_scenarios
 from fxshard.testing import fake_process_group
+from snapshots import assert_fxshard_snapshot
 from test_numerics import SGD_TOLERANCE, assert_matches_reference, relative_error
 
 STAGES = [0, 1, 2, 3]
@@ -180,3 +181,115 @@ def test_a_tensor_parallel_model_on_the_meta_device_is_refused(world_of_4):
         model = _tensor_parallel_mlp(world_of_4)
     _refused(model, fxshard.backend(stage=3, mesh=world_of_4["dp"]),
              "tensor-parallel DTensors on the meta device")
+
+
+def test_the_compiled_step_holds_fxshards_dp_collectives_and_dtensors_tp_collective_in_one_graph(world_of_4):
+    model = _tensor_parallel_mlp(world_of_4)
+    backend = fxshard.backend(stage=3, compiler="eager", mesh=world_of_4["dp"])
+    model, _ = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8)).sum().backward()
+    graphs = {r.kind: r.final for r in backend.graphs}
+    # forward: each unit's dp gather of its tp rank's pieces (fc1: 16 x 8 Colwise, 8 x 8 here; fc2: 5 x 16
+    # Rowwise, 5 x 8 here), DTensor's all_reduce of fc2's partial output over tp; backward: fc2 gathered again,
+    # both units' gradients reduce-scattered over dp (on gloo an all-to-all: here, a fake group, reduce_scatter)
+    assert_fxshard_snapshot(graphs["forward"], """\
+primals_1: f32[4,8]
+primals_2: DeviceMesh
+primals_3: f32[32]
+primals_4: f32[4]
+primals_5: f32[20]
+primals_6: f32[3]
+view = aten.view(primals_1) -> f32[4,8]
+cat_default = aten.cat([primals_3, primals_4]) -> f32[36]  # fc1 copy_in
+all_gather_fc1 = c10d.all_gather_into_tensor(cat_default) -> f32[72]  # fc1 all_gather
+wait_fc1 = c10d.wait_tensor(all_gather_fc1) -> f32[72]  # fc1 wait
+view_default = aten.view(wait_fc1) -> f32[2,36]  # fc1 copy_out
+split_with_sizes_default = aten.split_with_sizes(view_default) -> (f32[2,32], f32[2,4])  # fc1 copy_out
+getitem = getitem(split_with_sizes_default) -> f32[2,32]  # fc1 copy_out
+clone_default = aten.clone(getitem) -> f32[2,32]  # fc1 copy_out
+fc1_weight = aten.view(clone_default) -> f32[8,8]  # fc1 copy_out
+view_1 = aten.view(fc1_weight) -> f32[8,8]  # recomputed
+getitem_1 = getitem(split_with_sizes_default) -> f32[2,4]  # fc1 copy_out
+clone_default_1 = aten.clone(getitem_1) -> f32[2,4]  # fc1 copy_out
+fc1_bias = aten.view(clone_default_1) -> f32[8]  # fc1 copy_out
+view_2 = aten.view(fc1_bias) -> f32[8]  # recomputed
+t = aten.t(view_1) -> f32[8,8]  # recomputed
+addmm = aten.addmm(view_2, view, t) -> f32[4,8]
+cat_default_1 = aten.cat([primals_5, primals_6]) -> f32[23]  # fc2 copy_in
+all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[46]  # fc2 all_gather
+view_3 = aten.view(addmm) -> f32[4,8]
+relu = aten.relu(view_3) -> f32[4,8]
+view_4 = aten.view(relu) -> f32[4,8]
+wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[46]  # fc2 wait
+view_default_1 = aten.view(wait_fc2) -> f32[2,23]  # fc2 copy_out
+split_with_sizes_default_1 = aten.split_with_sizes(view_default_1) -> (f32[2,20], f32[2,3])  # fc2 copy_out
+getitem_2 = getitem(split_with_sizes_default_1) -> f32[2,20]  # fc2 copy_out
+clone_default_2 = aten.clone(getitem_2) -> f32[2,20]  # fc2 copy_out
+fc2_weight = aten.view(clone_default_2) -> f32[5,8]  # fc2 copy_out
+view_5 = aten.view(fc2_weight) -> f32[5,8]  # recomputed
+getitem_3 = getitem(split_with_sizes_default_1) -> f32[2,3]  # fc2 copy_out
+clone_default_3 = aten.clone(getitem_3) -> f32[2,3]  # fc2 copy_out
+view_default_2 = aten.view(clone_default_3) -> f32[6]  # fc2 copy_out
+slice_tensor = aten.slice(view_default_2) -> f32[5]  # fc2 copy_out
+fc2_bias = aten.view(slice_tensor) -> f32[5]  # fc2 copy_out
+view_6 = aten.view(fc2_bias) -> f32[5]  # recomputed
+t_1 = aten.t(view_5) -> f32[8,5]  # recomputed
+div = aten.div(view_6) -> f32[5]
+addmm_1 = aten.addmm(div, view_4, t_1) -> f32[4,5]
+all_reduce = c10d.all_reduce(addmm_1) -> f32[4,5]
+wait_tensor = c10d.wait_tensor(all_reduce) -> f32[4,5]
+view_7 = aten.view(wait_tensor) -> f32[4,5]
+return view_7:f32[4,5], primals_5:f32[20], primals_6:f32[3], view:f32[4,8], relu:f32[4,8]""")
+    assert_fxshard_snapshot(graphs["backward"], """\
+primals_5: f32[20]
+primals_6: f32[3]
+view: f32[4,8]
+relu: f32[4,8]
+tangents_1: f32[4,5]
+all_gather_fc2 = c10d.all_gather_into_tensor(primals_5) -> f32[40]  # fc2 all_gather
+view_8 = aten.view(tangents_1) -> f32[4,5]
+wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[40]  # fc2 wait
+fc2_weight = aten.view(wait_fc2) -> f32[5,8]  # fc2 copy_out
+view_5 = aten.view(fc2_weight) -> f32[5,8]  # recomputed
+t_1 = aten.t(view_5) -> f32[8,5]  # recomputed
+t_2 = aten.t(t_1) -> f32[5,8]  # recomputed
+mm = aten.mm(view_8, t_2) -> f32[4,8]
+t_3 = aten.t(view_8) -> f32[5,4]
+view_4 = aten.view(relu) -> f32[4,8]
+mm_1 = aten.mm(t_3, view_4) -> f32[5,8]
+t_4 = aten.t(mm_1) -> f32[8,5]
+sum_1 = aten.sum(view_8) -> f32[1,5]
+view_9 = aten.view(sum_1) -> f32[5]
+constant_pad_nd_default = aten.constant_pad_nd(view_9) -> f32[6]  # fc2 copy_in
+view_default = aten.view(constant_pad_nd_default) -> f32[2,3]  # fc2 copy_in
+t_5 = aten.t(t_4) -> f32[5,8]
+view_default_1 = aten.view(t_5) -> f32[40]  # fc2 copy_in
+view_default_2 = aten.view(view_default_1) -> f32[2,20]  # fc2 copy_in
+cat_default = aten.cat([view_default, view_default_2]) -> f32[2,23]  # fc2 copy_in
+view_default_3 = aten.view(cat_default) -> f32[46]  # fc2 copy_in
+reduce_scatter_fc2 = c10d.reduce_scatter_tensor(view_default_3) -> f32[23]  # fc2 reduce_scatter
+detach = aten.detach(relu) -> f32[4,8]
+detach_1 = aten.detach(detach) -> f32[4,8]
+threshold_backward = aten.threshold_backward(mm, detach_1) -> f32[4,8]
+view_10 = aten.view(threshold_backward) -> f32[4,8]
+t_6 = aten.t(view_10) -> f32[8,4]
+mm_2 = aten.mm(t_6, view) -> f32[8,8]
+t_7 = aten.t(mm_2) -> f32[8,8]
+sum_2 = aten.sum(view_10) -> f32[1,8]
+view_11 = aten.view(sum_2) -> f32[8]
+view_default_4 = aten.view(view_11) -> f32[2,4]  # fc1 copy_in
+t_8 = aten.t(t_7) -> f32[8,8]
+wait_fc2_1 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[23]  # fc2 wait
+split_with_sizes_default = aten.split_with_sizes(wait_fc2_1) -> (f32[3], f32[20])  # fc2 copy_out
+fc2_bias_grad = getitem(split_with_sizes_default) -> f32[3]  # fc2 copy_out
+fc2_weight_grad = getitem(split_with_sizes_default) -> f32[20]  # fc2 copy_out
+view_default_5 = aten.view(t_8) -> f32[64]  # fc1 copy_in
+view_default_6 = aten.view(view_default_5) -> f32[2,32]  # fc1 copy_in
+cat_default_1 = aten.cat([view_default_4, view_default_6]) -> f32[2,36]  # fc1 copy_in
+view_default_7 = aten.view(cat_default_1) -> f32[72]  # fc1 copy_in
+reduce_scatter_fc1 = c10d.reduce_scatter_tensor(view_default_7) -> f32[36]  # fc1 reduce_scatter
+wait_fc1 = c10d.wait_tensor(reduce_scatter_fc1) -> f32[36]  # fc1 wait
+split_with_sizes_default_1 = aten.split_with_sizes(wait_fc1) -> (f32[4], f32[32])  # fc1 copy_out
+fc1_bias_grad = getitem(split_with_sizes_default_1) -> f32[4]  # fc1 copy_out
+fc1_weight_grad = getitem(split_with_sizes_default_1) -> f32[32]  # fc1 copy_out
+return -, -, fc1_weight_grad:f32[32], fc1_bias_grad:f32[4], fc2_weight_grad:f32[20], fc2_bias_grad:f32[3]""")
