@@ -78,12 +78,13 @@ def _meshes(shape: tuple[int, ...]):
 
 
 def train_against_reference(model_name: str, optimizer: str, stage: int | None, steps: int = 3,
-                            clip: float | None = None, mesh_shape: tuple[int, ...] = MESH) -> dict:
+                            clip: float | None = None, mesh_shape: tuple[int, ...] = MESH, born: str = "cpu") -> dict:
     """A model made tensor-parallel over "tp" (``parallelize_module``) and prepared over the data-parallel
     dimension(s) at ``stage`` (None: FSDP2's ``fully_shard`` over them instead, eager), trained on its dp rank's
     slice of each global batch beside one process on the whole batch; both models' full parameters, the clip norms,
     the graphs compiled, how the state dicts hold each tensor, and the bytes of the last step's collectives,
-    measured and the ledger's."""
+    measured and the ledger's. ``born="meta"``: fxshard's model is built on the meta device and initialised by
+    prepare (one module at a time, each tp rank keeping its piece) from the reference's seed."""
     mesh, dp_mesh, dp_rank = _meshes(mesh_shape)
     dp = dp_mesh.size()
     model = _model(model_name)
@@ -94,7 +95,7 @@ def train_against_reference(model_name: str, optimizer: str, stage: int | None, 
         model, opt = _fsdp2_with_tensor_parallel(model_name, mesh, dp_mesh, optimizer)
         backend, run = None, model
     else:
-        model, opt, run, backend = _fxshard_with_tensor_parallel(model_name, mesh, dp_mesh, stage, optimizer)
+        model, opt, run, backend = _fxshard_with_tensor_parallel(model_name, mesh, dp_mesh, stage, optimizer, born)
     generator = torch.Generator().manual_seed(1)
     norms, reference_norms = [], []
     for i in range(steps):
@@ -147,11 +148,14 @@ def _fsdp2_with_tensor_parallel(model_name: str, mesh, dp_mesh, optimizer: str =
     return model, make_optimizer(optimizer, model.parameters())
 
 
-def _fxshard_with_tensor_parallel(model_name: str, mesh, dp_mesh, stage: int, optimizer: str = "adamw"):
+def _fxshard_with_tensor_parallel(model_name: str, mesh, dp_mesh, stage: int, optimizer: str = "adamw",
+                                  born: str = "cpu"):
     """The recipe of docs/tensor-parallel.md: parallelize_module over "tp", then prepare over "dp"."""
-    model = _model(model_name)
+    with torch.device(born):
+        model = _model(model_name)
     model = parallelize_module(model, mesh["tp"], _plan(model_name, model))
     backend = fxshard.backend(stage=stage, compiler="eager", mesh=dp_mesh)
+    torch.manual_seed(0)  # where a meta-born model's initialisation draws from, as the reference's did
     model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
     return model, opt, torch.compile(model, backend=backend, fullgraph=True), backend
 

@@ -85,6 +85,13 @@ def test_a_3d_mesh_of_replicas_shards_and_tp_trains_like_one_process(pools, stag
         assert result["norms"] == pytest.approx(result["reference_norms"], rel=SGD_TOLERANCE)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_model_born_on_the_meta_device_is_initialised_piece_by_piece_as_one_process_would(pools, stage):
+    for result in pools(4).run(tensor_parallel_scenarios.train_against_reference, "mlp", "sgd", stage,
+                               born="meta"):
+        assert_matches_reference(result, "sgd")
+
+
 def test_state_dicts_hold_each_shard_on_both_dimensions_as_fsdp2_does(mlp_runs):
     # fc1 (16 x 8) is Colwise: tp splits its rows, then dp splits each tp rank's 8 rows (_StridedShard); fc2
     # (5 x 16) is Rowwise: dp splits rows, tp columns; fc2's bias is Replicate over tp and split by dp (3 + 2)
@@ -176,18 +183,21 @@ def test_a_dtensor_over_two_mesh_dimensions_is_refused(world_of_4):
              r"dimensions \('dp', 'tp'\); fxshard composes with one tensor-parallel mesh dimension")
 
 
-def test_a_tensor_parallel_model_on_the_meta_device_is_refused(world_of_4):
-    with torch.device("meta"):
-        model = _tensor_parallel_mlp(world_of_4)
-    _refused(model, fxshard.backend(stage=3, mesh=world_of_4["dp"]),
-             "tensor-parallel DTensors on the meta device")
+def test_the_compiled_step_holds_fxshards_dp_collectives_and_dtensors_tp_collective_in_one_graph():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from examples.models import MLP
 
-def test_the_compiled_step_holds_fxshards_dp_collectives_and_dtensors_tp_collective_in_one_graph(world_of_4):
-    model = _tensor_parallel_mlp(world_of_4)
-    backend = fxshard.backend(stage=3, compiler="eager", mesh=world_of_4["dp"])
-    model, _ = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8)).sum().backward()
+    torch._dynamo.reset()
+    # dimension names of its own: after an earlier test in this process made an equal mesh (the refusals above),
+    # Dynamo lifts the DeviceMesh as two graph inputs instead of one
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+        model = parallelize_module(MLP(), mesh["tensor"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        backend = fxshard.backend(stage=3, compiler="eager", mesh=mesh["data"])
+        model, _ = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8)).sum().backward()
     graphs = {r.kind: r.final for r in backend.graphs}
     # forward: each unit's dp gather of its tp rank's pieces (fc1: 16 x 8 Colwise, 8 x 8 here; fc2: 5 x 16
     # Rowwise, 5 x 8 here), DTensor's all_reduce of fc2's partial output over tp; backward: fc2 gathered again,

@@ -41,7 +41,7 @@ from .layout import full_from_value, gather_full, rows_of_full, shard_from_value
 from .materialise import InitFn, born_on_meta, default_device, materialise_unit_by_unit, share_random_state
 from .ops import unshard
 from .sharding import ShardSpec, shard_of
-from .tensor_parallel import as_tensor_parallel, every_rank, take_local_tensors
+from .tensor_parallel import as_tensor_parallel, every_rank, local_parameter, local_value, tensor_parallel_layouts
 
 _SPECS = "_fxshard_specs"  # module attribute: {parameter attribute name: ShardSpec}
 _PATH = "_fxshard_path"  # module attribute: the module's qualified name in the prepared model
@@ -240,8 +240,9 @@ def _broadcast_from_first_rank(model: nn.Module, groups) -> None:
     tensors = list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
     for group in groups:
         source = dist.get_global_rank(group, 0)
-        for tensor in tensors:
-            dist.broadcast(tensor.data, src=source, group=group)
+        for tensor in tensors:  # a tensor-parallel parameter: its local piece, over the data-parallel groups
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            dist.broadcast(local.data, src=source, group=group)
 
 
 def _leaf_for(param: nn.Parameter, spec: ShardSpec, shard: torch.Tensor | None) -> nn.Parameter:
@@ -311,13 +312,7 @@ def shard_parameters(
     and buffers are the first rank's (broadcast)."""
     if is_prepared(model) or any(spec_of(p) is not None for p in model.parameters()):
         raise FxShardError("this model is already prepared; call backend.prepare once per model")
-    if any(isinstance(p, DTensor) for p in model.parameters()) and born_on_meta(model):
-        raise FxShardError(
-            "this model's parameters are tensor-parallel DTensors on the meta device; prepare materialises a model "
-            "built on meta without tensor parallelism only: build it real (parallelize_module then moves each tp "
-            "rank's piece), or build it on meta, prepare it without tensor parallelism"
-        )
-    tensor_parallel = take_local_tensors(model, mesh)
+    tensor_parallel = tensor_parallel_layouts(model, mesh)
     grad_sync = GradSync()
     model.__dict__[_GRAD_SYNC] = grad_sync
     group = _resolve_group(group)
@@ -329,25 +324,29 @@ def shard_parameters(
         "mesh_group_name": collective_group(_resolve_group(mesh_group), collective_timeout_s).group_name,
     }
     if tensor_parallel:  # a checkpoint is written, and graphs compared, by every rank of both dimensions
-        ranks = every_rank(mesh, next(iter(tensor_parallel.values()))[1])
+        ranks = every_rank(mesh, next(iter(tensor_parallel.values())))
         every = (dist.group.WORLD if ranks == list(range(dist.get_world_size()))
                  else dist.new_group(ranks=ranks, use_local_synchronization=True))
         replicas["mesh_group_name"] = collective_group(every, collective_timeout_s).group_name
     synced_over = [group] if replicate_group is None else [group, replicate_group]
     specs = _specs_by_parameter(model, lambda name, param: ShardSpec(
-        name, tuple(param.shape), world_size, rank, group_name, stage, param_dtype, reduce_dtype, **replicas,
-        tensor_parallel=tensor_parallel[id(param)][1] if id(param) in tensor_parallel else None))
+        name, tuple(local_parameter(param).shape), world_size, rank, group_name, stage, param_dtype, reduce_dtype,
+        **replicas, tensor_parallel=tensor_parallel.get(id(param))))
     leaves: dict[int, nn.Parameter] = {}
     if born_on_meta(model):
         device = torch.device(device) if device is not None else default_device(group)
-        share_random_state(synced_over, device)
+        # under tensor parallelism every rank initialises each parameter whole and keeps its tp piece: all alike
+        share_random_state([every] if tensor_parallel else synced_over, device)
         # Every shard allocated before any module is materialised: a full parameter freed below a shard allocated
         # after it would leave a hole the allocator keeps (glibc: a 418 MiB GPT at world 4 peaked 50-200 MiB higher)
         shards = {key: torch.empty(spec.chunk, dtype=param.dtype, device=device)
                   for key, (param, spec) in specs.items() if spec.trains_shard}
 
         def keep(meta: nn.Parameter, full: torch.Tensor) -> None:
-            leaf = _lay_out(nn.Parameter(full, requires_grad=meta.requires_grad), specs[id(meta)][1], grad_sync,
+            spec = specs[id(meta)][1]
+            if spec.tensor_parallel is not None:  # initialised whole, as one process would: this tp rank's piece
+                full = local_value(full, spec.tensor_parallel).clone()  # (a view would keep the whole alive)
+            leaf = _lay_out(nn.Parameter(full, requires_grad=meta.requires_grad), spec, grad_sync,
                             shards.pop(id(meta), None))
             leaves[id(meta)] = REPLACED_BY_SHARD[meta] = leaf
 
@@ -360,7 +359,7 @@ def shard_parameters(
                 "shard by shard, or drop these arguments"
             )
         _broadcast_from_first_rank(model, synced_over)
-        leaves = {key: _lay_out(param, spec, grad_sync) for key, (param, spec) in specs.items()}
+        leaves = {key: _lay_out(local_parameter(param), spec, grad_sync) for key, (param, spec) in specs.items()}
     for path, module in model.named_modules(remove_duplicate=False):
         owned = {n: p for n, p in module._parameters.items() if p is not None}
         if not owned or hasattr(module, _SPECS):
@@ -382,6 +381,6 @@ def shard_parameters(
         module.__class__ = _accessor_class(type(module), tuple(owned))
     if param_dtype is not None:
         model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
-    for key, (dtensor, _) in tensor_parallel.items():  # the optimizer holds the DTensor parameters
-        leaves[id(dtensor)] = REPLACED_BY_SHARD[dtensor] = leaves.pop(key)
+    for key in tensor_parallel:  # the DTensor parameters (the optimizer holds them) are replaced at every stage
+        REPLACED_BY_SHARD[specs[key][0]] = leaves[key]
     return leaves, grad_sync

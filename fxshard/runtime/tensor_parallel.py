@@ -100,36 +100,34 @@ def _tensor_parallel_of(name: str, param: DTensor, shard_mesh: DeviceMesh | None
     return TensorParallel(mesh, placements[0], param.shape, param.stride(), sharded_mesh)
 
 
-def take_local_tensors(
-    model: nn.Module, mesh: DeviceMesh | None
-) -> dict[int, tuple[nn.Parameter, TensorParallel]]:
-    """Replace each DTensor parameter of ``model`` by a Parameter of its local tensor (sharing its storage), in place,
-    a tied one once; returns {id(new parameter): (the DTensor parameter it replaced, its layout)}. FxShardError,
-    before any change, for a layout fxshard cannot compose with, or a DTensor buffer. ``mesh``: the backend's
-    (None: it was given none)."""
+def tensor_parallel_layouts(model: nn.Module, mesh: DeviceMesh | None) -> dict[int, TensorParallel]:
+    """{id(parameter): its layout} for each DTensor parameter of ``model`` (a tied one once); FxShardError for a
+    layout fxshard cannot compose with, or a DTensor buffer. ``mesh``: the backend's (None: it was given none)."""
     # a hybrid mesh's shards are described on its "shard" dimension: its replicas hold the same rows
     shard_mesh = None if mesh is None else mesh if mesh.ndim == 1 else mesh["shard"]
     for name, buffer in model.named_buffers():
         if isinstance(buffer, DTensor):
             raise FxShardError(f"buffer {name!r} is a DTensor ({tuple(buffer.placements)}); fxshard composes with "
                                "tensor-parallel parameters, and keeps buffers as plain tensors: make it a plain one")
-    found: dict[int, tuple[nn.Parameter, TensorParallel]] = {}
+    layouts: dict[int, TensorParallel] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         for name, param in module._parameters.items():
-            if isinstance(param, DTensor) and id(param) not in found:
-                found[id(param)] = (param, _tensor_parallel_of(f"{path}.{name}" if path else name, param, shard_mesh))
-    tp_ranks = {tuple(tp.mesh.mesh.tolist()) for _, tp in found.values()}
+            if isinstance(param, DTensor) and id(param) not in layouts:
+                layouts[id(param)] = _tensor_parallel_of(f"{path}.{name}" if path else name, param, shard_mesh)
+    tp_ranks = {tuple(tp.mesh.mesh.tolist()) for tp in layouts.values()}
     if len(tp_ranks) > 1:
         raise FxShardError(f"the model's DTensor parameters lie on {len(tp_ranks)} different tensor-parallel "
                            f"groups of ranks {sorted(tp_ranks)}; fxshard composes with one tensor-parallel dimension")
+    return layouts
+
+
+def local_parameter(param: nn.Parameter) -> nn.Parameter:
+    """What fxshard lays out of ``param``: itself, or of a DTensor parameter a Parameter of this tp rank's local
+    tensor (sharing its storage)."""
+    if not isinstance(param, DTensor):
+        return param
     with torch.no_grad():
-        local_of = {key: nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
-                    for key, (param, _) in found.items()}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None and id(param) in found:
-                module._parameters[name] = local_of[id(param)]
-    return {id(local_of[key]): found[key] for key in found}
+        return nn.Parameter(param.to_local(), requires_grad=param.requires_grad)
 
 
 def every_rank(mesh: DeviceMesh, tp: TensorParallel) -> list[int]:
