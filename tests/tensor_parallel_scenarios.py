@@ -78,13 +78,16 @@ def _meshes(shape: tuple[int, ...]):
 
 
 def train_against_reference(model_name: str, optimizer: str, stage: int | None, steps: int = 3,
-                            clip: float | None = None, mesh_shape: tuple[int, ...] = MESH, born: str = "cpu") -> dict:
+                            clip: float | None = None, mesh_shape: tuple[int, ...] = MESH, born: str = "cpu",
+                            micro_batches: int = 1, param_dtype: torch.dtype | None = None) -> dict:
     """A model made tensor-parallel over "tp" (``parallelize_module``) and prepared over the data-parallel
     dimension(s) at ``stage`` (None: FSDP2's ``fully_shard`` over them instead, eager), trained on its dp rank's
     slice of each global batch beside one process on the whole batch; both models' full parameters, the clip norms,
     the graphs compiled, how the state dicts hold each tensor, and the bytes of the last step's collectives,
     measured and the ledger's. ``born="meta"``: fxshard's model is built on the meta device and initialised by
-    prepare (one module at a time, each tp rank keeping its piece) from the reference's seed."""
+    prepare (one module at a time, each tp rank keeping its piece) from the reference's seed. ``micro_batches``:
+    each rank's slice is split into that many, accumulated under ``backend.no_sync``. ``param_dtype``: mixed
+    precision, gradients reduced in fp32 (FSDP2: its ``MixedPrecisionPolicy`` of the same dtypes)."""
     mesh, dp_mesh, dp_rank = _meshes(mesh_shape)
     dp = dp_mesh.size()
     model = _model(model_name)
@@ -92,17 +95,21 @@ def train_against_reference(model_name: str, optimizer: str, stage: int | None, 
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer(optimizer, reference.parameters())
     if stage is None:
-        model, opt = _fsdp2_with_tensor_parallel(model_name, mesh, dp_mesh, optimizer)
+        model, opt = _fsdp2_with_tensor_parallel(model_name, mesh, dp_mesh, optimizer, param_dtype)
         backend, run = None, model
     else:
-        model, opt, run, backend = _fxshard_with_tensor_parallel(model_name, mesh, dp_mesh, stage, optimizer, born)
+        model, opt, run, backend = _fxshard_with_tensor_parallel(model_name, mesh, dp_mesh, stage, optimizer, born,
+                                                                 param_dtype)
     generator = torch.Generator().manual_seed(1)
     norms, reference_norms = [], []
     for i in range(steps):
         batch = _batch(model_name, dp * PER_RANK_BATCH, generator)
         local = tuple(t[dp_rank * PER_RANK_BATCH : (dp_rank + 1) * PER_RANK_BATCH] for t in batch)
         with CollectiveCounter() if i == steps - 1 else contextlib.nullcontext() as counter:
-            _loss(model_name, run, local).backward()
+            micro = [tuple(t.chunk(micro_batches)[m] for t in local) for m in range(micro_batches)]
+            for m, piece in enumerate(micro):
+                with backend.no_sync(model) if m < micro_batches - 1 else contextlib.nullcontext():
+                    (_loss(model_name, run, piece) / micro_batches).backward()
             if clip is not None:
                 norms.append(backend.clip_grad_norm_(clip).item() if backend else
                              torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor().item())
@@ -135,26 +142,29 @@ def _ledger_bytes(backend) -> dict:
             if ledger.select("comm", kind)}
 
 
-def _fsdp2_with_tensor_parallel(model_name: str, mesh, dp_mesh, optimizer: str = "adamw"):
+def _fsdp2_with_tensor_parallel(model_name: str, mesh, dp_mesh, optimizer: str = "adamw",
+                                param_dtype: torch.dtype | None = None):
     """FSDP2 + TP as torchtitan builds it: parallelize_module over "tp", then fully_shard each block and the root
     over "dp"."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _model(model_name)
     model = parallelize_module(model, mesh["tp"], _plan(model_name, model))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype and torch.float32)
     for block in (model.layers if model_name == "llama" else [model.fc1, model.fc2]):
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     return model, make_optimizer(optimizer, model.parameters())
 
 
 def _fxshard_with_tensor_parallel(model_name: str, mesh, dp_mesh, stage: int, optimizer: str = "adamw",
-                                  born: str = "cpu"):
+                                  born: str = "cpu", param_dtype: torch.dtype | None = None):
     """The recipe of docs/tensor-parallel.md: parallelize_module over "tp", then prepare over "dp"."""
     with torch.device(born):
         model = _model(model_name)
     model = parallelize_module(model, mesh["tp"], _plan(model_name, model))
-    backend = fxshard.backend(stage=stage, compiler="eager", mesh=dp_mesh)
+    precision = {} if param_dtype is None else {"param_dtype": param_dtype, "reduce_dtype": torch.float32}
+    backend = fxshard.backend(stage=stage, compiler="eager", mesh=dp_mesh, **precision)
     torch.manual_seed(0)  # where a meta-born model's initialisation draws from, as the reference's did
     model, opt = backend.prepare(model, make_optimizer(optimizer, model.parameters()))
     return model, opt, torch.compile(model, backend=backend, fullgraph=True), backend
@@ -206,3 +216,38 @@ def checkpoints_between_fxshard_and_fsdp2(model_name: str, stage: int, directory
     _train(model_name, mesh, fsdp2, fsdp2_opt, torch.Generator().set_state(ahead), 2)
     return {"fxshard_from_fsdp2": fxshard_from_fsdp2, "fsdp2_from_fxshard": (full_state(fsdp2), full_state(model)),
             "at_save": at_save}
+
+
+def checkpoints_between_tensor_parallel_and_plain(stage: int, directory: str) -> dict:
+    """A checkpoint of the (dp=2, tp=2) model, trained 2 steps and saved with ``fxshard.checkpoint.save``, loads into
+    the plain model prepared over all 4 ranks (dp=4, no TP); one of that plain model, trained 2 steps further,
+    loads back into a fresh (dp=2, tp=2) model. The full parameters and optimizer states on each side."""
+    from fxshard import checkpoint
+
+    mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("dp", "tp"))
+    model, opt, run, backend = _fxshard_with_tensor_parallel("mlp", mesh, mesh["dp"], stage)
+    _train("mlp", mesh, run, opt, torch.Generator().manual_seed(1), 2)
+    saved = checkpoint.save(model, opt, f"{directory}/tensor_parallel")
+    plain_backend = fxshard.backend(stage=stage, compiler="eager")
+    plain = _model("mlp")
+    plain, plain_opt = plain_backend.prepare(plain, make_optimizer("adamw", plain.parameters()))
+    checkpoint.load(plain, plain_opt, saved)
+    result = {"saved": _full(model, backend), "loaded_plain": _full(plain, plain_backend)}
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        loss_of("mlp", plain, global_batch("mlp", PER_RANK_BATCH, generator)).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    saved_plain = checkpoint.save(plain, plain_opt, f"{directory}/plain")
+    again, again_opt, _, again_backend = _fxshard_with_tensor_parallel("mlp", mesh, mesh["dp"], stage)
+    checkpoint.load(again, again_opt, saved_plain)
+    return {**result, "trained_plain": _full(plain, plain_backend), "loaded_back": _full(again, again_backend)}
+
+
+def _full(model, backend) -> tuple[dict, dict]:
+    """The model's full parameters and its optimizer's full per-element states, as one process would hold them
+    (copies: a stage-0 state dict holds the parameters themselves, which training goes on changing)."""
+    optimizer = backend.full_optimizer_state_dict()["state"]
+    states = {(name, kind): value for name, kinds in optimizer.items()
+              for kind, value in kinds.items() if torch.is_tensor(value) and value.dim()}
+    return {k: v.clone() for k, v in full_state(model).items()}, states

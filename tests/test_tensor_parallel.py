@@ -11,6 +11,7 @@ import fxshard
 import tensor_parallel_scenarios
 from fxshard.testing import fake_process_group
 from snapshots import assert_fxshard_snapshot
+from test_mixed_precision import MIXED_PRECISION_TOLERANCE
 from test_numerics import SGD_TOLERANCE, assert_matches_reference, relative_error
 
 STAGES = [0, 1, 2, 3]
@@ -92,6 +93,24 @@ def test_a_model_born_on_the_meta_device_is_initialised_piece_by_piece_as_one_pr
         assert_matches_reference(result, "sgd")
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_gradient_accumulation_under_no_sync_trains_like_the_big_batch(pools, stage):
+    for result in pools(4).run(tensor_parallel_scenarios.train_against_reference, "mlp", "sgd", stage,
+                               micro_batches=2):
+        assert_matches_reference(result, "sgd")
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_mixed_precision_computes_as_fsdp2_with_tensor_parallelism_does(pools, stage):
+    # bf16 compute and gathers, fp32 masters and reductions; FSDP2 under the MixedPrecisionPolicy of the same dtypes
+    runs = {framework: pools(4).run(tensor_parallel_scenarios.train_against_reference, "mlp", "sgd", framework,
+                                    param_dtype=torch.bfloat16) for framework in (None, stage)}
+    for result, fsdp2 in zip(runs[stage], runs[None], strict=True):
+        for name, value in fsdp2["final"].items():
+            assert result["final"][name].dtype == torch.float32, name
+            assert relative_error(result["final"][name], value) <= MIXED_PRECISION_TOLERANCE, name
+
+
 def test_state_dicts_hold_each_shard_on_both_dimensions_as_fsdp2_does(mlp_runs):
     # fc1 (16 x 8) is Colwise: tp splits its rows, then dp splits each tp rank's 8 rows (_StridedShard); fc2
     # (5 x 16) is Rowwise: dp splits rows, tp columns; fc2's bias is Replicate over tp and split by dp (3 + 2)
@@ -125,6 +144,18 @@ def test_checkpoints_move_between_fxshard_and_fsdp2_with_tensor_parallelism(pool
             assert relative_error(resumed[name], value) <= SGD_TOLERANCE, (direction, name)
     moved = [name for name, value in result["at_save"].items() if not torch.equal(value, went_on[name])]
     assert moved == list(result["at_save"]), "the steps after the save train every parameter"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoints_reshard_between_tensor_parallel_and_plain_data_parallel_layouts(pools, tmp_path, stage):
+    # (dp=2, tp=2) -> (dp=4, no tp) -> (dp=2, tp=2): DCP reads each rank's rows of the other layout
+    result = pools(4).run(tensor_parallel_scenarios.checkpoints_between_tensor_parallel_and_plain, stage,
+                          str(tmp_path))[0]
+    for saved, loaded in ((result["saved"], result["loaded_plain"]), (result["trained_plain"], result["loaded_back"])):
+        for part_saved, part_loaded in zip(saved, loaded, strict=True):
+            assert part_saved.keys() == part_loaded.keys() and part_saved
+            assert all(torch.equal(value, part_loaded[key]) for key, value in part_saved.items())
+    assert not torch.equal(result["trained_plain"][0]["fc1.weight"], result["saved"][0]["fc1.weight"])
 
 
 # -- layouts fxshard does not compose with: refused at prepare, before anything changes ----------------------------
