@@ -334,3 +334,14 @@ split_with_sizes_default_1 = aten.split_with_sizes(wait_fc1) -> (f32[4], f32[32]
 fc1_bias_grad = getitem(split_with_sizes_default_1) -> f32[4]  # fc1 copy_out
 fc1_weight_grad = getitem(split_with_sizes_default_1) -> f32[32]  # fc1 copy_out
 return -, -, fc1_weight_grad:f32[32], fc1_bias_grad:f32[4], fc2_weight_grad:f32[20], fc2_bias_grad:f32[3]""")
+
+
+def test_prefetch_issues_the_next_blocks_gather_across_a_tp_all_reduce(world_of_4):
+    model, _, run, backend = tensor_parallel_scenarios._fxshard_with_tensor_parallel("llama", world_of_4,
+                                                                                      world_of_4["dp"], 3)
+    run(*tensor_parallel_scenarios._batch("llama", 4, torch.Generator().manual_seed(0))).backward()
+    forward = next(r.final for r in backend.graphs if r.kind == "forward")
+    order = [n.name for n in forward.graph.nodes if n.op == "call_function" and "c10d" in str(n.target)]
+    # layers.1's gather is in flight while layers.0's second tp all-reduce (its MLP's output) runs and is waited for
+    assert order.index("all_gather_layers_1") < order.index("all_reduce_1") < order.index("wait_tensor_1") \
+        < order.index("wait_layers_1")
