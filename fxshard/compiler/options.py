@@ -7,6 +7,7 @@ import torch
 
 from fxshard.errors import FxShardError
 from fxshard.passes.context import KNOBS
+from fxshard.runtime.groups import group_over
 
 STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
@@ -72,15 +73,11 @@ def check_mesh(mesh, group) -> None:
 
 def mesh_groups(mesh, stage: int) -> tuple:
     """(the group parameters are sharded over, the group each shard's gradient is then averaged over, a group of
-    every rank of the mesh) for a checked ``mesh``, None where there is none (None first: the world group). Stage 0
-    shards nothing: it all-reduces over every rank of the mesh."""
-    import torch.distributed as dist
-
+    every rank of the mesh) for a checked ``mesh``, None where there is none. Stage 0 shards nothing: it all-reduces
+    over every rank of the mesh."""
     if mesh.ndim == 1:
         return mesh.get_group(), None, None
-    ranks = sorted(mesh.mesh.flatten().tolist())
-    whole = None if ranks == list(range(dist.get_world_size())) else dist.new_group(
-        ranks=ranks, use_local_synchronization=True)
+    whole = group_over(sorted(mesh.mesh.flatten().tolist()))
     if stage == 0:
         return whole, None, None
     return mesh.get_group("shard"), mesh.get_group("replicate"), whole

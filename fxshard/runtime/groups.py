@@ -76,6 +76,14 @@ def collective_group(group, timeout_s: float) -> dist.ProcessGroup:
     return twin
 
 
+def group_over(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group of ``ranks`` (sorted): the world group when they are every rank, else a new group, made by
+    those ranks alone (every one of them calls this, the others need not)."""
+    if ranks == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return dist.new_group(ranks=ranks, use_local_synchronization=True)
+
+
 def gloo_worker_threads(group_name: str) -> int | None:
     """How many worker threads the gloo backend of the group named ``group_name`` runs (None: not gloo)."""
     return gloo_threads(resolve_group(group_name))

@@ -36,12 +36,19 @@ from fxshard.errors import FxShardError
 from fxshard.passes.context import COLLECTIVE_TIMEOUT_S
 from fxshard.torch_compat import tree_map
 
-from .groups import collective_group
+from .groups import collective_group, group_over
 from .layout import full_from_value, gather_full, rows_of_full, shard_from_value, sharded_value, unsharded_value
 from .materialise import InitFn, born_on_meta, default_device, materialise_unit_by_unit, share_random_state
 from .ops import unshard
 from .sharding import ShardSpec, shard_of
-from .tensor_parallel import as_tensor_parallel, every_rank, local_parameter, local_value, tensor_parallel_layouts
+from .tensor_parallel import (
+    as_tensor_parallel,
+    every_rank,
+    local_parameter,
+    local_shape,
+    local_value,
+    tensor_parallel_layouts,
+)
 
 _SPECS = "_fxshard_specs"  # module attribute: {parameter attribute name: ShardSpec}
 _PATH = "_fxshard_path"  # module attribute: the module's qualified name in the prepared model
@@ -324,13 +331,11 @@ def shard_parameters(
         "mesh_group_name": collective_group(_resolve_group(mesh_group), collective_timeout_s).group_name,
     }
     if tensor_parallel:  # a checkpoint is written, and graphs compared, by every rank of both dimensions
-        ranks = every_rank(mesh, next(iter(tensor_parallel.values())))
-        every = (dist.group.WORLD if ranks == list(range(dist.get_world_size()))
-                 else dist.new_group(ranks=ranks, use_local_synchronization=True))
+        every = group_over(every_rank(mesh, next(iter(tensor_parallel.values()))))
         replicas["mesh_group_name"] = collective_group(every, collective_timeout_s).group_name
     synced_over = [group] if replicate_group is None else [group, replicate_group]
     specs = _specs_by_parameter(model, lambda name, param: ShardSpec(
-        name, tuple(local_parameter(param).shape), world_size, rank, group_name, stage, param_dtype, reduce_dtype,
+        name, local_shape(param), world_size, rank, group_name, stage, param_dtype, reduce_dtype,
         **replicas, tensor_parallel=tensor_parallel.get(id(param))))
     leaves: dict[int, nn.Parameter] = {}
     if born_on_meta(model):

@@ -26,8 +26,8 @@ from torch.distributed.tensor.placement_types import Placement
 from fxshard.errors import FxShardError
 from fxshard.torch_compat import concatenate_meshes, strided_shard
 
-SUPPORTED = "one tensor-parallel mesh dimension, placement Shard(dim) or Replicate() (parallelize_module's Colwise, " \
-            "Rowwise and SequenceParallel layouts)"
+SUPPORTED = ("one tensor-parallel mesh dimension, placement Shard(dim) or Replicate() (parallelize_module's "
+             "Colwise, Rowwise and SequenceParallel layouts)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +80,11 @@ def local_value(value: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 def _tensor_parallel_of(name: str, param: DTensor, shard_mesh: DeviceMesh | None) -> TensorParallel:
     """The layout of DTensor parameter ``name``, or FxShardError saying why fxshard cannot compose with it."""
     mesh, placements = param.device_mesh, tuple(param.placements)
-    described = f"parameter {name!r} is a DTensor with placements {placements} over mesh dimensions " \
-                f"{mesh.mesh_dim_names or tuple(range(mesh.ndim))}"
+    described = (f"parameter {name!r} is a DTensor with placements {placements} over mesh dimensions "
+                 f"{mesh.mesh_dim_names or tuple(range(mesh.ndim))}")
     if mesh.ndim != 1 or not (type(placements[0]) is Shard or isinstance(placements[0], Replicate)):
-        raise FxShardError(f"{described}; fxshard composes with {SUPPORTED}. Apply fully_shard-like sharding "
-                           "through fxshard only, and tensor parallelism over one mesh dimension")
+        raise FxShardError(f"{described}; fxshard composes with {SUPPORTED}, and does the data-parallel sharding "
+                           "itself (no fully_shard before prepare)")
     if shard_mesh is None:
         raise FxShardError(f"{described}; give the backend the mesh dimension(s) to shard over, slices of that same "
                            'mesh: fxshard.backend(stage=3, mesh=mesh["dp"])')
@@ -119,6 +119,11 @@ def tensor_parallel_layouts(model: nn.Module, mesh: DeviceMesh | None) -> dict[i
         raise FxShardError(f"the model's DTensor parameters lie on {len(tp_ranks)} different tensor-parallel "
                            f"groups of ranks {sorted(tp_ranks)}; fxshard composes with one tensor-parallel dimension")
     return layouts
+
+
+def local_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of what fxshard lays out of ``param``: a DTensor's local tensor, else ``param`` itself."""
+    return tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
 
 
 def local_parameter(param: nn.Parameter) -> nn.Parameter:
