@@ -13,7 +13,8 @@ from .merge_tied_grads import merge_tied_grads_pass
 from .prefetch import make_prefetch_pass, prefetch_pass
 from .recompute_gathers import recompute_gathers_pass
 from .shard_optimizer import shard_optimizer_pass
+from .twin_groups import twin_groups_pass
 
 __all__ = ["CostModel", "PassContext", "bucket_pass", "budget_pass", "exposed_communication",
            "lower_collectives_pass", "make_prefetch_pass", "merge_tied_grads_pass", "prefetch_pass",
-           "recompute_gathers_pass", "shard_optimizer_pass"]
+           "recompute_gathers_pass", "shard_optimizer_pass", "twin_groups_pass"]

@@ -36,6 +36,8 @@ class PassContext:
     optimizer_bytes: bytes per rank the prepared optimizer keeps outside every graph (state, stage-1 masters).
     reduce_scatter_by_all_to_all: lower a reduce-scatter to an all-to-all and a local sum (the group is gloo's,
         whose own reduce-scatter all-reduces the whole buffer: ``fxshard.runtime.groups.scatters_by_all_to_all``).
+    group_twins: (group, twin) pairs: collectives the graph holds over ``group`` that are not fxshard's (DTensor's,
+        under tensor parallelism) run on ``twin`` instead, fxshard's one-worker gloo twin of the same ranks.
 
     Knobs (``fxshard.backend(stage, **knobs)``; every field below is one):
     reshard_after_forward: stage 3 only: free gathered weights after forward and gather again in backward (True,
@@ -76,6 +78,7 @@ class PassContext:
     group_name: str
     optimizer_bytes: int = 0
     reduce_scatter_by_all_to_all: bool = False
+    group_twins: tuple[tuple[str, str], ...] = ()
     reshard_after_forward: bool = True
     bucket: str | int = "layer"
     blocks: Sequence[str | type] = ()
@@ -89,5 +92,6 @@ class PassContext:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
-FACTS = ("stage", "graph", "world_size", "group_name", "optimizer_bytes", "reduce_scatter_by_all_to_all")
+FACTS = ("stage", "graph", "world_size", "group_name", "optimizer_bytes", "reduce_scatter_by_all_to_all",
+         "group_twins")
 KNOBS = tuple(f.name for f in dataclasses.fields(PassContext) if f.name not in FACTS)

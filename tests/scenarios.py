@@ -122,11 +122,7 @@ def train_against_reference(
                 norms.append(backend.clip_grad_norm_(clip).item())
             step()
         opt.zero_grad()
-        loss_of(model_name, reference, batch).backward()
-        if clip is not None:
-            reference_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item())
-        reference_opt.step()
-        reference_opt.zero_grad()
+        step_the_reference(loss_of(model_name, reference, batch), reference, reference_opt, clip, reference_norms)
         for scheduler in schedulers:
             scheduler.step()
     on_cpu = functools.partial(torch.utils._pytree.tree_map_only, torch.Tensor, lambda t: t.cpu())
@@ -146,6 +142,16 @@ def train_against_reference(
         "devices": sorted({str(t.device) for t in [*model.parameters(), *(v for state in opt.state.values()
                                                                           for v in state.values() if v.dim())]}),
     })
+
+
+def step_the_reference(loss: torch.Tensor, reference, reference_opt, clip: float | None, norms: list) -> None:
+    """One step of a single-process reference: the backward of ``loss``, with ``clip`` the gradient norm clipped by
+    (appended to ``norms``), the update."""
+    loss.backward()
+    if clip is not None:
+        norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item())
+    reference_opt.step()
+    reference_opt.zero_grad()
 
 
 def _full_weight_matches(tensors, full_weights: dict) -> list[str]:

@@ -1,5 +1,6 @@
 """Tensor parallelism beside fxshard, on 4 gloo ranks as a (dp=2, tp=2) mesh: functions every rank of a WorkerPool
-runs. The tensor-parallel plans are torchtitan's: Colwise into a block, Rowwise out of it."""
+runs. The tensor-parallel plans are torchtitan's: Colwise into a block, Rowwise out of it, and for the Llama also
+sequence and loss parallelism."""
 
 from __future__ import annotations
 
@@ -12,37 +13,81 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fxshard
+from examples.models import LlamaConfig, LlamaForCausalLM
 from fxshard import budget
 from fxshard.report.measure import CollectiveCounter
-from examples.models import LlamaConfig, LlamaForCausalLM
-from scenarios import PER_RANK_BATCH, build_model, full_state, global_batch, loss_of, make_optimizer
+from fxshard.torch_compat import c10d_functional
+from scenarios import (
+    PER_RANK_BATCH,
+    build_model,
+    full_state,
+    global_batch,
+    loss_of,
+    make_optimizer,
+    step_the_reference,
+)
 
 MESH = (2, 2)  # (dp, tp)
 
 
-def _llama_plan(model) -> dict:
+def _llama_plan(model, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
+    """torchtitan's plan: Colwise into attention and the MLP, Rowwise out of them; with ``sequence_parallel`` the
+    embedding, the norms and the residual stream split by sequence (``SequenceParallel``), and with
+    ``loss_parallel`` the LM head's logits stay split by vocabulary into the loss."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    sequence = Shard(1) if sequence_parallel else Replicate()
     plan = {}
+    if sequence_parallel:
+        plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence)
+        plan["norm"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(input_layouts=sequence,
+                                          output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                          use_local_output=not loss_parallel)
     for i, _ in enumerate(model.layers):
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+            plan[f"layers.{i}.{name}"] = RowwiseParallel(output_layouts=sequence)
+        if sequence_parallel:
+            plan[f"layers.{i}.input_layernorm"] = SequenceParallel()
+            plan[f"layers.{i}.post_attention_layernorm"] = SequenceParallel()
+            plan[f"layers.{i}.self_attn"] = PrepareModuleInput(input_layouts=(sequence, None, None),
+                                                               desired_input_layouts=(Replicate(), None, None))
+            plan[f"layers.{i}.mlp"] = PrepareModuleInput(input_layouts=(sequence,),
+                                                         desired_input_layouts=(Replicate(),))
     return plan
 
 
+# the Llama under torchtitan's plan: "llama" Colwise / Rowwise only, "llama_sp" with sequence parallelism,
+# "llama_lp" with sequence and loss parallelism
+LLAMAS = {"llama": {}, "llama_sp": {"sequence_parallel": True},
+          "llama_lp": {"sequence_parallel": True, "loss_parallel": True}}
+
+
 def _model(name: str) -> torch.nn.Module:
-    if name == "llama":
+    if name in LLAMAS:
         torch.manual_seed(0)
         return LlamaForCausalLM(LlamaConfig())
     return build_model(name)
 
 
 def _plan(name: str, model) -> dict:
-    return _llama_plan(model) if name == "llama" else {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    if name in LLAMAS:
+        return _llama_plan(model, **LLAMAS[name])
+    return {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+
+
+def _parallel_loss(name: str):
+    """Around forward and backward: ``loss_parallel()`` where the logits stay split by vocabulary."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if LLAMAS.get(name, {}).get("loss_parallel") else contextlib.nullcontext()
 
 
 def _batch(name: str, size: int, generator: torch.Generator):
-    if name == "llama":
+    if name in LLAMAS:
         config = LlamaConfig()
         tokens = torch.randint(config.vocab_size, (size, 9), generator=generator)
         return tokens[:, :-1], tokens[:, 1:]
@@ -50,7 +95,7 @@ def _batch(name: str, size: int, generator: torch.Generator):
 
 
 def _loss(name: str, model, batch) -> torch.Tensor:
-    if name == "llama":
+    if name in LLAMAS:
         return model(*batch)
     return loss_of(name, model, batch)
 
@@ -108,18 +153,15 @@ def train_against_reference(model_name: str, optimizer: str, stage: int | None, 
         with CollectiveCounter() if i == steps - 1 else contextlib.nullcontext() as counter:
             micro = [tuple(t.chunk(micro_batches)[m] for t in local) for m in range(micro_batches)]
             for m, piece in enumerate(micro):
-                with backend.no_sync(model) if m < micro_batches - 1 else contextlib.nullcontext():
+                with (backend.no_sync(model) if m < micro_batches - 1 else contextlib.nullcontext(),
+                      _parallel_loss(model_name)):
                     (_loss(model_name, run, piece) / micro_batches).backward()
             if clip is not None:
                 norms.append(backend.clip_grad_norm_(clip).item() if backend else
                              torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor().item())
             opt.step()
         opt.zero_grad()
-        _loss(model_name, reference, batch).backward()
-        if clip is not None:
-            reference_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item())
-        reference_opt.step()
-        reference_opt.zero_grad()
+        step_the_reference(_loss(model_name, reference, batch), reference, reference_opt, clip, reference_norms)
     return {
         "initial": initial,
         "final": full_state(model),
@@ -130,6 +172,7 @@ def train_against_reference(model_name: str, optimizer: str, stage: int | None, 
         "measured": {kind: totals["bytes"] for kind, totals in counter.totals().items()},
         "ledger": _ledger_bytes(backend) if backend else {},
         "report": backend.report() if backend else "",
+        "dtensor_collective_threads": _dtensor_collective_threads(backend) if backend else [],
         "model_layout": {k: layout_of(v) for k, v in model.state_dict().items()},
         "optimizer_layout": {k: layout_of(v) for k, v in opt.state_dict()["state"][0].items()},
     }
@@ -142,6 +185,20 @@ def _ledger_bytes(backend) -> dict:
             if ledger.select("comm", kind)}
 
 
+def _dtensor_collective_threads(backend) -> list:
+    """The gloo worker threads of each group the compiled graphs' collectives that are not fxshard's run on."""
+    from fxshard.runtime.groups import gloo_worker_threads
+
+    return sorted({gloo_worker_threads(node.args[-1]) for record in backend.graphs
+                   if record.kind in ("forward", "backward") for node in record.final.graph.nodes
+                   if node.op == "call_function" and node.target in TENSOR_PARALLEL_COLLECTIVES
+                   and "role" not in node.meta.get("fxshard", {})})
+
+
+TENSOR_PARALLEL_COLLECTIVES = (c10d_functional.all_reduce.default, c10d_functional.all_gather_into_tensor.default,
+                               c10d_functional.reduce_scatter_tensor.default)
+
+
 def _fsdp2_with_tensor_parallel(model_name: str, mesh, dp_mesh, optimizer: str = "adamw",
                                 param_dtype: torch.dtype | None = None):
     """FSDP2 + TP as torchtitan builds it: parallelize_module over "tp", then fully_shard each block and the root
@@ -151,7 +208,7 @@ def _fsdp2_with_tensor_parallel(model_name: str, mesh, dp_mesh, optimizer: str =
     model = _model(model_name)
     model = parallelize_module(model, mesh["tp"], _plan(model_name, model))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype and torch.float32)
-    for block in (model.layers if model_name == "llama" else [model.fc1, model.fc2]):
+    for block in (model.layers if model_name in LLAMAS else [model.fc1, model.fc2]):
         fully_shard(block, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     return model, make_optimizer(optimizer, model.parameters())
@@ -174,8 +231,9 @@ def _train(model_name: str, mesh, run, opt, generator: torch.Generator, steps: i
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     for _ in range(steps):
         batch = _batch(model_name, dp * PER_RANK_BATCH, generator)
-        _loss(model_name, run, tuple(t[dp_rank * PER_RANK_BATCH : (dp_rank + 1) * PER_RANK_BATCH] for t in batch)
-              ).backward()
+        with _parallel_loss(model_name):
+            _loss(model_name, run, tuple(t[dp_rank * PER_RANK_BATCH : (dp_rank + 1) * PER_RANK_BATCH] for t in batch)
+                  ).backward()
         opt.step()
         opt.zero_grad()
 

@@ -93,7 +93,7 @@ def _tensor_parallel_groups(model) -> dict[str, int]:
 
     layouts = [] if model is None else [s.tensor_parallel for p in model.parameters()
                                         if (s := spec_of(p)) is not None and s.tensor_parallel is not None]
-    return {tp.mesh.get_group().group_name: tp.degree for tp in layouts}
+    return {name: tp.degree for tp in layouts for name in (tp.group_name, tp.dtensor_group_name)}
 
 
 def _rename(params: dict[int, Param], names: dict[tuple, str], optimizer) -> None:

@@ -61,13 +61,14 @@ def default_passes() -> list[Pass]:
     """The pipeline every backend runs unless given ``passes=``; copy it, add or drop passes. It is the same for
     every stage: each pass acts on what the markers' arguments say (the layout ``prepare`` chose), not on the stage.
 
+    ``twin_groups_pass`` moves DTensor's tensor-parallel collectives onto fxshard's one-worker gloo twin;
     ``shard_optimizer_pass`` acts only on a compiled ``optimizer.step`` (stages 1, 2: gather what it updated);
     ``bucket_pass`` names each marker's collective (the ``bucket``/``blocks`` knobs) right before the lowering;
     ``prefetch_pass`` reorders the lowered graph (``prefetch``, ``max_inflight_gathers``) or runs ``schedule``;
     ``budget_pass`` records each graph's memory ledger and enforces ``memory_budget``.
     """
-    return [P.shard_optimizer_pass, P.recompute_gathers_pass, P.merge_tied_grads_pass, P.bucket_pass,
-            P.lower_collectives_pass, P.prefetch_pass, P.budget_pass]
+    return [P.twin_groups_pass, P.shard_optimizer_pass, P.recompute_gathers_pass, P.merge_tied_grads_pass,
+            P.bucket_pass, P.lower_collectives_pass, P.prefetch_pass, P.budget_pass]
 
 
 class Backend:
@@ -214,6 +215,7 @@ class Backend:
             group_name=first.group_name if first else "",
             optimizer_bytes=0 if self.optimizer is None else optimizer_bytes(self.optimizer, self.model),
             reduce_scatter_by_all_to_all=first is not None and scatters_by_all_to_all(first.group_name),
+            group_twins=self._group_twins(),
             **self.knobs,
         )
         context = dataclasses.replace(context, blocks=self._block_names())
@@ -244,6 +246,14 @@ class Backend:
             return outputs
 
         return step_that_publishes
+
+    def _group_twins(self) -> tuple[tuple[str, str], ...]:
+        """(DTensor's group, the twin its collectives run on) of the model's tensor-parallel dimension, where
+        they differ (gloo)."""
+        layouts = [] if self.model is None else [s.tensor_parallel for p in self.model.parameters()
+                                                 if (s := spec_of(p)) is not None and s.tensor_parallel is not None]
+        return tuple(sorted({(tp.dtensor_group_name, tp.group_name) for tp in layouts
+                             if tp.dtensor_group_name != tp.group_name}))
 
     def _block_names(self) -> tuple[str, ...]:
         """The ``blocks`` the passes see: module names (passes never see modules), found in the model for

@@ -319,7 +319,7 @@ def shard_parameters(
     and buffers are the first rank's (broadcast)."""
     if is_prepared(model) or any(spec_of(p) is not None for p in model.parameters()):
         raise FxShardError("this model is already prepared; call backend.prepare once per model")
-    tensor_parallel = tensor_parallel_layouts(model, mesh)
+    tensor_parallel = tensor_parallel_layouts(model, mesh, collective_timeout_s)
     grad_sync = GradSync()
     model.__dict__[_GRAD_SYNC] = grad_sync
     group = _resolve_group(group)

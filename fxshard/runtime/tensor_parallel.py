@@ -26,6 +26,8 @@ from torch.distributed.tensor.placement_types import Placement
 from fxshard.errors import FxShardError
 from fxshard.torch_compat import concatenate_meshes, strided_shard
 
+from .groups import collective_group
+
 SUPPORTED = ("one tensor-parallel mesh dimension, placement Shard(dim) or Replicate() (parallelize_module's "
              "Colwise, Rowwise and SequenceParallel layouts)")
 
@@ -39,6 +41,14 @@ class TensorParallel:
     shape: torch.Size  # the parameter's global shape
     stride: tuple[int, ...]
     sharded_mesh: DeviceMesh  # fxshard's shard dimension, then the tensor-parallel one
+    # DTensor's collectives over ``mesh`` name ``dtensor_group_name``; in fxshard's graphs they run on
+    # ``group_name``, its one-worker twin on gloo (fxshard/runtime/groups.py), itself on other backends
+    dtensor_group_name: str
+    group_name: str
+    # DTensor's collectives over ``mesh`` name ``dtensor_group_name``; in fxshard's graphs they run on
+    # ``group_name``, its one-worker twin on gloo (fxshard/runtime/groups.py), itself on other backends
+    dtensor_group_name: str
+    group_name: str
 
     @property
     def degree(self) -> int:
@@ -77,7 +87,7 @@ def local_value(value: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return distribute_tensor(value, tp.mesh, (tp.placement,), src_data_rank=None).to_local()
 
 
-def _tensor_parallel_of(name: str, param: DTensor, shard_mesh: DeviceMesh | None) -> TensorParallel:
+def _tensor_parallel_of(name: str, param: DTensor, shard_mesh: DeviceMesh | None, timeout_s: float) -> TensorParallel:
     """The layout of DTensor parameter ``name``, or FxShardError saying why fxshard cannot compose with it."""
     mesh, placements = param.device_mesh, tuple(param.placements)
     described = (f"parameter {name!r} is a DTensor with placements {placements} over mesh dimensions "
@@ -97,12 +107,16 @@ def _tensor_parallel_of(name: str, param: DTensor, shard_mesh: DeviceMesh | None
             '(dp, tp), mesh_dim_names=("dp", "tp")), parallelize_module(model, mesh["tp"], plan), '
             'fxshard.backend(stage=3, mesh=mesh["dp"])'
         ) from None
-    return TensorParallel(mesh, placements[0], param.shape, param.stride(), sharded_mesh)
+    group = mesh.get_group()
+    return TensorParallel(mesh, placements[0], param.shape, param.stride(), sharded_mesh, group.group_name,
+                          collective_group(group, timeout_s).group_name)
 
 
-def tensor_parallel_layouts(model: nn.Module, mesh: DeviceMesh | None) -> dict[int, TensorParallel]:
+def tensor_parallel_layouts(model: nn.Module, mesh: DeviceMesh | None,
+                            timeout_s: float) -> dict[int, TensorParallel]:
     """{id(parameter): its layout} for each DTensor parameter of ``model`` (a tied one once); FxShardError for a
-    layout fxshard cannot compose with, or a DTensor buffer. ``mesh``: the backend's (None: it was given none)."""
+    layout fxshard cannot compose with, or a DTensor buffer. ``mesh``: the backend's (None: it was given none);
+    ``timeout_s``: of the twin group DTensor's collectives run on in fxshard's graphs."""
     # a hybrid mesh's shards are described on its "shard" dimension: its replicas hold the same rows
     shard_mesh = None if mesh is None else mesh if mesh.ndim == 1 else mesh["shard"]
     for name, buffer in model.named_buffers():
@@ -113,7 +127,8 @@ def tensor_parallel_layouts(model: nn.Module, mesh: DeviceMesh | None) -> dict[i
     for path, module in model.named_modules(remove_duplicate=False):
         for name, param in module._parameters.items():
             if isinstance(param, DTensor) and id(param) not in layouts:
-                layouts[id(param)] = _tensor_parallel_of(f"{path}.{name}" if path else name, param, shard_mesh)
+                layouts[id(param)] = _tensor_parallel_of(f"{path}.{name}" if path else name, param, shard_mesh,
+                                                         timeout_s)
     tp_ranks = {tuple(tp.mesh.mesh.tolist()) for tp in layouts.values()}
     if len(tp_ranks) > 1:
         raise FxShardError(f"the model's DTensor parameters lie on {len(tp_ranks)} different tensor-parallel "
