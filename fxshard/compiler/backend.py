@@ -61,14 +61,14 @@ def default_passes() -> list[Pass]:
     """The pipeline every backend runs unless given ``passes=``; copy it, add or drop passes. It is the same for
     every stage: each pass acts on what the markers' arguments say (the layout ``prepare`` chose), not on the stage.
 
-    ``twin_groups_pass`` moves DTensor's tensor-parallel collectives onto fxshard's one-worker gloo twin;
     ``shard_optimizer_pass`` acts only on a compiled ``optimizer.step`` (stages 1, 2: gather what it updated);
     ``bucket_pass`` names each marker's collective (the ``bucket``/``blocks`` knobs) right before the lowering;
     ``prefetch_pass`` reorders the lowered graph (``prefetch``, ``max_inflight_gathers``) or runs ``schedule``;
-    ``budget_pass`` records each graph's memory ledger and enforces ``memory_budget``.
+    ``budget_pass`` records each graph's memory ledger and enforces ``memory_budget``; ``twin_groups_pass`` moves
+    DTensor's tensor-parallel collectives onto fxshard's one-worker gloo twin of their group.
     """
-    return [P.twin_groups_pass, P.shard_optimizer_pass, P.recompute_gathers_pass, P.merge_tied_grads_pass,
-            P.bucket_pass, P.lower_collectives_pass, P.prefetch_pass, P.budget_pass]
+    return [P.shard_optimizer_pass, P.recompute_gathers_pass, P.merge_tied_grads_pass, P.bucket_pass,
+            P.lower_collectives_pass, P.prefetch_pass, P.budget_pass, P.twin_groups_pass]
 
 
 class Backend:
