@@ -173,6 +173,8 @@ def train_against_reference(model_name: str, optimizer: str, stage: int | None, 
         "ledger": _ledger_bytes(backend) if backend else {},
         "report": backend.report() if backend else "",
         "dtensor_collective_threads": _dtensor_collective_threads(backend) if backend else [],
+        "forward_collectives": [n.name for r in (backend.graphs if backend else []) if r.kind == "forward"
+                                for n in r.final.graph.nodes if str(n.target).startswith("_c10d_functional.")],
         "model_layout": {k: layout_of(v) for k, v in model.state_dict().items()},
         "optimizer_layout": {k: layout_of(v) for k, v in opt.state_dict()["state"][0].items()},
     }
