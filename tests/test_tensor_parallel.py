@@ -37,61 +37,66 @@ def test_every_stage_trains_like_one_process_with_the_gradient_norm_over_both_di
                    for got, want in zip(result["norms"], result["reference_norms"], strict=True))
 
 
+@pytest.fixture(scope="module")
+def fsdp2_runs(pools):
+    """FSDP2 + TP (``fully_shard`` over "dp", eager) on the runs below: the Llama with SGD, the MLP with AdamW."""
+    return {(model, optimizer): pools(4).run(tensor_parallel_scenarios.train_against_reference, model, optimizer, None)
+            for model, optimizer in (("llama_lp", "sgd"), ("mlp", "adamw"))}
+
+
+def _assert_trains_as(result: dict, fsdp2: dict) -> None:
+    assert result["final"].keys() == fsdp2["final"].keys()
+    for name, value in fsdp2["final"].items():
+        assert relative_error(result["final"][name], value) <= SGD_TOLERANCE, name
+    assert any(not torch.equal(result["final"][name], value) for name, value in result["initial"].items())
+
+
+@pytest.fixture(scope="module")
+def llama_runs(pools):
+    return pools(4).run(tensor_parallel_scenarios.train_against_reference, "llama_lp", "sgd", 3)
+
+
 # torchtitan's Llama plan with sequence parallelism (the norms and the residual stream split by sequence: DTensor's
 # all-gathers and reduce-scatters over tp) and loss parallelism (the logits split by vocabulary into the loss)
-def test_attention_and_mlp_blocks_under_sequence_and_loss_parallelism(pools):
-    for result in pools(4).run(tensor_parallel_scenarios.train_against_reference, "llama_lp", "sgd", 1):
+def test_attention_and_mlp_blocks_under_sequence_and_loss_parallelism(llama_runs, fsdp2_runs):
+    for result, fsdp2 in zip(llama_runs, fsdp2_runs["llama_lp", "sgd"], strict=True):
         assert_matches_reference(result, "sgd")
+        _assert_trains_as(result, fsdp2)
         assert result["compiled_graphs"] == ONE_GRAPH_EACH
         assert result["ledger"] == result["measured"]
 
 
-@pytest.fixture(scope="module")
-def fsdp2_adamw(pools):
-    return {model: pools(4).run(tensor_parallel_scenarios.train_against_reference, model, "adamw", None)
-            for model in ("llama_lp", "mlp")}
-
-
-ADAMW_RUNS = [("llama_lp", 3), ("mlp", 2), ("mlp", 1), ("mlp", 0)]
-
-
-@pytest.fixture(scope="module")
-def adamw_runs(pools):
-    return {(model, stage): pools(4).run(tensor_parallel_scenarios.train_against_reference, model, "adamw", stage)
-            for model, stage in ADAMW_RUNS}
-
-
-@pytest.mark.parametrize("model, stage", ADAMW_RUNS)
-def test_every_stage_with_adamw_trains_as_fsdp2_with_tensor_parallelism_does(adamw_runs, fsdp2_adamw, model, stage):
-    # AdamW amplifies last-bit differences where a gradient is tiny beside the sums it comes from (test_numerics):
-    # up to 1.5e-4 of an update of the Llama's against one process, for FSDP2 + TP and fxshard alike, so the two
-    # are compared with each other, at SGD's tolerance
-    for result, fsdp2 in zip(adamw_runs[model, stage], fsdp2_adamw[model], strict=True):
-        if model == "mlp":
-            assert_matches_reference(result, "adamw")
-        assert result["compiled_graphs"] == ONE_GRAPH_EACH
-        assert result["final"].keys() == fsdp2["final"].keys()
-        for name, value in fsdp2["final"].items():
-            assert relative_error(result["final"][name], value) <= SGD_TOLERANCE, name
-        assert any(not torch.equal(result["final"][name], value) for name, value in result["initial"].items())
-
-
-def test_prefetch_issues_the_next_blocks_gather_across_tp_collectives(adamw_runs):
-    order = adamw_runs["llama_lp", 3][0]["forward_collectives"]
+def test_prefetch_issues_the_next_blocks_gather_across_tp_collectives(llama_runs):
+    order = llama_runs[0]["forward_collectives"]
     issued, waited = order.index("all_gather_layers_1"), order.index("wait_layers_1")
     # layers.1's dp gather is in flight across DTensor's collectives of layers.0 (sequence parallelism's
     # reduce-scatter of its MLP's output is waited for in between)
     assert any(not name.startswith(("all_gather_layers", "wait_layers")) for name in order[issued + 1 : waited])
 
 
-@pytest.mark.parametrize("model, stage", ADAMW_RUNS)
-def test_the_ledger_counts_dtensors_collectives_over_tp_and_equals_the_measured_bytes(adamw_runs, model, stage):
-    for result in adamw_runs[model, stage]:
+@pytest.fixture(scope="module")
+def adamw_runs(pools):
+    return {stage: pools(4).run(tensor_parallel_scenarios.train_against_reference, "mlp", "adamw", stage)
+            for stage in STAGES}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_stage_with_adamw_trains_as_one_process_and_as_fsdp2_with_tensor_parallelism(adamw_runs, fsdp2_runs,
+                                                                                            stage):
+    for result, fsdp2 in zip(adamw_runs[stage], fsdp2_runs["mlp", "adamw"], strict=True):
+        assert_matches_reference(result, "adamw")
+        _assert_trains_as(result, fsdp2)
+        assert result["compiled_graphs"] == ONE_GRAPH_EACH
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_ledger_counts_dtensors_collectives_over_tp_and_equals_the_measured_bytes(adamw_runs, stage):
+    for result in adamw_runs[stage]:
         assert result["ledger"] == result["measured"]
         assert "all_reduce over tp" in result["report"] and "T=2" in result["report"]
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [3])
 def test_a_3d_mesh_of_replicas_shards_and_tp_trains_like_one_process(pools, stage):
     # (replicate, shard, tp) = (1, 2, 2) on the 4 ranks the suite has; examples/tensor_parallel.py --mesh 2x2x2
     # runs 8 ranks (docs/tensor-parallel.md)
@@ -107,10 +112,9 @@ def test_a_model_born_on_the_meta_device_is_initialised_piece_by_piece_as_one_pr
         assert_matches_reference(result, "sgd")
 
 
-@pytest.mark.parametrize("stage", [0, 3])  # stages 1 and 2 communicate once per step or micro-batch anyway
-def test_gradient_accumulation_under_no_sync_trains_like_the_big_batch(pools, stage):
-    for result in pools(4).run(tensor_parallel_scenarios.train_against_reference, "mlp", "sgd", stage,
-                               micro_batches=2):
+def test_gradient_accumulation_under_no_sync_trains_like_the_big_batch(pools):
+    # stage 0, the one no_sync changes: gradients stay local until the last micro-batch all-reduces them
+    for result in pools(4).run(tensor_parallel_scenarios.train_against_reference, "mlp", "sgd", 0, micro_batches=2):
         assert_matches_reference(result, "sgd")
 
 
@@ -160,7 +164,7 @@ def test_checkpoints_move_between_fxshard_and_fsdp2_with_tensor_parallelism(pool
     assert moved == list(result["at_save"]), "the steps after the save train every parameter"
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [3])
 def test_checkpoints_reshard_between_tensor_parallel_and_plain_data_parallel_layouts(pools, tmp_path, stage):
     # (dp=2, tp=2) -> (dp=4, no tp) -> (dp=2, tp=2): DCP reads each rank's rows of the other layout
     result = pools(4).run(tensor_parallel_scenarios.checkpoints_between_tensor_parallel_and_plain, stage,
