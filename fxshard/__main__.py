@@ -199,7 +199,7 @@ def _mesh_or_world(args) -> tuple[int, int, int]:
         raise FxShardError("give --world N (one group of N ranks) or --mesh RxS (hybrid: R replicas of S ranks; "
                            "RxSxT: and T tensor-parallel ranks each)")
     _check_world(args.world)
-    tp = getattr(args, "tp", 1)
+    tp = args.tp
     if args.world is not None:
         return 1, args.world, tp
     try:

@@ -378,8 +378,7 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     grads_over: dict[str, list[torch.Tensor]] = {}  # tp group ("": none) -> gradients split over it
     for param in params:
         tp = spec_of(param).tensor_parallel
-        grads_over.setdefault(tp.mesh.get_group().group_name if tp is not None and tp.splits else "", []).append(
-            param.grad)
+        grads_over.setdefault(tp.group_name if tp is not None and tp.splits else "", []).append(param.grad)
     terms = []
     for tp_group, grads in grads_over.items():
         if norm_type == math.inf:
