@@ -45,10 +45,6 @@ class TensorParallel:
     # ``group_name``, its one-worker twin on gloo (fxshard/runtime/groups.py), itself on other backends
     dtensor_group_name: str
     group_name: str
-    # DTensor's collectives over ``mesh`` name ``dtensor_group_name``; in fxshard's graphs they run on
-    # ``group_name``, its one-worker twin on gloo (fxshard/runtime/groups.py), itself on other backends
-    dtensor_group_name: str
-    group_name: str
 
     @property
     def degree(self) -> int:
