@@ -6,11 +6,19 @@ import torch
 from torch import fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fxshard.torch_compat import OpOverload, detect_fake_mode, traced_size
+from fxshard.torch_compat import OpOverload, c10d_functional, detect_fake_mode, traced_size
 
 ROOT_UNIT = "root"
 # meta["fxshard"]["role"] of the nodes lower_collectives_pass makes that communicate
 COLLECTIVE_ROLES = ("all_gather", "reduce_scatter", "all_reduce")
+# The functional collectives a graph may hold (fxshard's, DTensor's, the user's) by kind; each names its group by
+# its last argument
+FUNCTIONAL_COLLECTIVES = {
+    c10d_functional.all_gather_into_tensor.default: "all_gather",
+    c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d_functional.all_reduce.default: "all_reduce",
+    c10d_functional.all_to_all_single.default: "all_to_all",
+}
 
 
 def unit_of(fqn: str) -> str:

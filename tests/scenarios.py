@@ -94,7 +94,8 @@ def train_against_reference(
     sees the whole global batch; return both models' full parameters before and after, the graphs compiled and
     the collectives and the bytes of each kind of training state of the last step (gradients: after its backward)
     and, with ``clip``, the gradient norms each clipped by. ``compile_step`` compiles ``opt.step`` with the same
-    backend. ``device``: where both models train (``"cuda"``: this rank's GPU); what is returned is on the CPU. ``mesh_shape``: (replicas, shards) of a hybrid-sharding mesh over every rank.
+    backend. ``device``: where both models train (``"cuda"``: this rank's GPU); what is returned is on the CPU.
+    ``mesh_shape``: (replicas, shards) of a hybrid-sharding mesh over every rank.
     ``halve_lr_each_step``: both optimizers get an LR scheduler, the prepared one's built before prepare."""
     from fxshard.report.measure import CollectiveCounter
 

@@ -15,8 +15,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import fxshard
 from examples.models import LlamaConfig, LlamaForCausalLM
 from fxshard import budget
+from fxshard.passes.fx_utils import FUNCTIONAL_COLLECTIVES
 from fxshard.report.measure import CollectiveCounter
-from fxshard.torch_compat import c10d_functional
 from scenarios import (
     PER_RANK_BATCH,
     build_model,
@@ -193,12 +193,8 @@ def _dtensor_collective_threads(backend) -> list:
 
     return sorted({gloo_worker_threads(node.args[-1]) for record in backend.graphs
                    if record.kind in ("forward", "backward") for node in record.final.graph.nodes
-                   if node.op == "call_function" and node.target in TENSOR_PARALLEL_COLLECTIVES
+                   if node.op == "call_function" and node.target in FUNCTIONAL_COLLECTIVES
                    and "role" not in node.meta.get("fxshard", {})})
-
-
-TENSOR_PARALLEL_COLLECTIVES = (c10d_functional.all_reduce.default, c10d_functional.all_gather_into_tensor.default,
-                               c10d_functional.reduce_scatter_tensor.default)
 
 
 def _fsdp2_with_tensor_parallel(model_name: str, mesh, dp_mesh, optimizer: str = "adamw",

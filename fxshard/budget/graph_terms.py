@@ -13,7 +13,7 @@ import sympy
 import torch
 from torch import fx
 
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES, FUNCTIONAL_COLLECTIVES, is_view, replica_ranks, size_hint
 from fxshard.torch_compat import (
     LocalSource,
     SavedForBackwardsAOTOutput,
@@ -145,18 +145,10 @@ def width_of(value: torch.Tensor, symbol: sympy.Symbol, values: dict) -> sympy.S
     return symbol
 
 
-# DTensor's collectives (tensor parallelism) as the graph holds them, by the ledger's kind
-_TENSOR_PARALLEL_KINDS = {
-    c10d_functional.all_reduce.default: "all_reduce",
-    c10d_functional.all_gather_into_tensor.default: "all_gather",
-    c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
-}
-
-
 def _tensor_parallel_term(node: fx.Node, index: int, graph: str, sizes: Sizes, degree: int):
     """A comm term and schedule row of DTensor's collective over the tensor-parallel dimension: its input buffer
     (activations or their gradients) as its own size, over ``T`` ranks."""
-    kind = _TENSOR_PARALLEL_KINDS[node.target]
+    kind = FUNCTIONAL_COLLECTIVES[node.target]
     buffer = node.args[0].meta["val"]
     sizes.values[T] = degree
     term = Term("comm", kind, sizes.numel_of(buffer), sympy.Integer(buffer.element_size()), f"{graph}: {node.name}",
@@ -175,7 +167,7 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes,
     for index, node in enumerate(gm.graph.nodes):
         meta = _meta(node)
         kind = meta.get("role")
-        if (kind is None and tensor_parallel and node.target in _TENSOR_PARALLEL_KINDS
+        if (kind is None and tensor_parallel and FUNCTIONAL_COLLECTIVES.get(node.target) in COLLECTIVE_ROLES
                 and node.args[-1] in tensor_parallel):
             term, row = _tensor_parallel_term(node, index, graph, sizes, tensor_parallel[node.args[-1]])
             terms.append(term)

@@ -89,10 +89,9 @@ def _names_from_model(model) -> dict[tuple, str]:
 
 def _tensor_parallel_groups(model) -> dict[str, int]:
     """{group name: ranks} of the tensor-parallel dimension the model's DTensor parameters lie on ({}: none)."""
-    from fxshard.runtime.prepare import spec_of
+    from fxshard.runtime.prepare import tensor_parallel_of
 
-    layouts = [] if model is None else [s.tensor_parallel for p in model.parameters()
-                                        if (s := spec_of(p)) is not None and s.tensor_parallel is not None]
+    layouts = [] if model is None else tensor_parallel_of(model)
     return {name: tp.degree for tp in layouts for name in (tp.group_name, tp.dtensor_group_name)}
 
 

@@ -28,7 +28,14 @@ from fxshard.runtime.optim import (
     mark_published,
     shard_optimizer_over,
 )
-from fxshard.runtime.prepare import grad_sync_of, shard_parameters, sharded_world_size, spec_of, updating_optimizer
+from fxshard.runtime.prepare import (
+    grad_sync_of,
+    shard_parameters,
+    sharded_world_size,
+    spec_of,
+    tensor_parallel_of,
+    updating_optimizer,
+)
 from fxshard.simulate import autotune
 from fxshard.simulate.simulator import Machine, default_machine
 from fxshard.torch_compat import aot_module_simplified, make_boxed_func, min_cut_rematerialization_partition
@@ -250,8 +257,7 @@ class Backend:
     def _group_twins(self) -> tuple[tuple[str, str], ...]:
         """(DTensor's group, the twin its collectives run on) of the model's tensor-parallel dimension, where
         they differ (gloo)."""
-        layouts = [] if self.model is None else [s.tensor_parallel for p in self.model.parameters()
-                                                 if (s := spec_of(p)) is not None and s.tensor_parallel is not None]
+        layouts = [] if self.model is None else tensor_parallel_of(self.model)
         return tuple(sorted({(tp.dtensor_group_name, tp.group_name) for tp in layouts
                              if tp.dtensor_group_name != tp.group_name}))
 

@@ -42,10 +42,11 @@ from .materialise import InitFn, born_on_meta, default_device, materialise_unit_
 from .ops import unshard
 from .sharding import ShardSpec, shard_of
 from .tensor_parallel import (
+    TensorParallel,
     as_tensor_parallel,
     every_rank,
     local_parameter,
-    local_shape,
+    local_tensor,
     local_value,
     tensor_parallel_layouts,
 )
@@ -75,7 +76,8 @@ SPEC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # trainable leaf (or stage
 MASTER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-1 full parameter -> its master shard
 # what forward reads of a shard the optimizer updates: stage-1 master -> full parameter, stage-2 leaf -> resident copy
 FULL_COPY_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-REPLACED_BY_SHARD: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stages 2, 3: parameter prepare replaced -> its shard leaf
+# parameter prepare replaced -> its leaf: the shard (stages 2, 3), or at any stage the leaf of a DTensor's local piece
+REPLACED_BY_SHARD: WeakIdKeyDictionary = WeakIdKeyDictionary()
 GRAD_SYNC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-0 parameter -> its model's GradSync
 # stage 1: the attribute of the optimizer prepare returned (over the model's parameters) holding its
 # fxshard.runtime.optim.MasterStep (an attribute, not a weak-keyed registry: the MasterStep refers to the optimizer)
@@ -103,6 +105,12 @@ def replace_updated_state(optimizer: torch.optim.Optimizer, state_of_updated: di
 def spec_of(param: torch.Tensor) -> ShardSpec | None:
     """The ShardSpec of a leaf laid out by ``prepare``, or None for any other tensor."""
     return SPEC_OF.get(param)
+
+
+def tensor_parallel_of(model: nn.Module) -> list[TensorParallel]:
+    """The tensor-parallel layouts of ``model``'s prepared parameters ([]: none is a DTensor)."""
+    return [s.tensor_parallel for p in model.parameters()
+            if (s := spec_of(p)) is not None and s.tensor_parallel is not None]
 
 
 def sharded_world_size(model: nn.Module) -> int | None:
@@ -248,8 +256,7 @@ def _broadcast_from_first_rank(model: nn.Module, groups) -> None:
     for group in groups:
         source = dist.get_global_rank(group, 0)
         for tensor in tensors:  # a tensor-parallel parameter: its local piece, over the data-parallel groups
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            dist.broadcast(local.data, src=source, group=group)
+            dist.broadcast(local_tensor(tensor).data, src=source, group=group)
 
 
 def _leaf_for(param: nn.Parameter, spec: ShardSpec, shard: torch.Tensor | None) -> nn.Parameter:
@@ -335,7 +342,7 @@ def shard_parameters(
         replicas["mesh_group_name"] = collective_group(every, collective_timeout_s).group_name
     synced_over = [group] if replicate_group is None else [group, replicate_group]
     specs = _specs_by_parameter(model, lambda name, param: ShardSpec(
-        name, local_shape(param), world_size, rank, group_name, stage, param_dtype, reduce_dtype,
+        name, tuple(local_tensor(param).shape), world_size, rank, group_name, stage, param_dtype, reduce_dtype,
         **replicas, tensor_parallel=tensor_parallel.get(id(param))))
     leaves: dict[int, nn.Parameter] = {}
     if born_on_meta(model):

@@ -132,9 +132,9 @@ def tensor_parallel_layouts(model: nn.Module, mesh: DeviceMesh | None,
     return layouts
 
 
-def local_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The shape of what fxshard lays out of ``param``: a DTensor's local tensor, else ``param`` itself."""
-    return tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What fxshard lays out of ``tensor``: a DTensor's local tensor (this tp rank's piece), else ``tensor``."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def local_parameter(param: nn.Parameter) -> nn.Parameter:
