@@ -8,6 +8,8 @@ from typing import Literal
 
 import torch
 
+from .quantize import DEFAULT_QUANTIZE_BLOCK
+
 GraphKind = Literal["joint", "forward", "backward", "inference", "optimizer"]
 
 
@@ -38,10 +40,15 @@ class PassContext:
         whose own reduce-scatter all-reduces the whole buffer: ``fxshard.runtime.groups.scatters_by_all_to_all``).
     group_twins: (group, twin) pairs: collectives the graph holds over ``group`` that are not fxshard's (DTensor's,
         under tensor parallelism) run on ``twin`` instead, fxshard's one-worker gloo twin of the same ranks.
+    secondary_group_name, secondary_rank: with ``reshard_after_forward=k`` (1 < k < world_size), the group of the k
+        consecutive ranks of the shard group this rank re-gathers from in backward, and this rank's place in it.
 
     Knobs (``fxshard.backend(stage, **knobs)``; every field below is one):
     reshard_after_forward: stage 3 only: free gathered weights after forward and gather again in backward (True,
-        ZeRO-3) or keep them from forward to backward (False: 2Ψ instead of 3Ψ per step, more memory).
+        ZeRO-3) or keep them from forward to backward (False: 2Ψ instead of 3Ψ per step, more memory), or an int k
+        dividing the shard group (FSDP2's meaning, ZeRO++'s hpZ): keep a secondary shard (1/k of each weight) over
+        the group of k consecutive ranks from forward to backward, and re-gather from it inside that group (one
+        node's ranks), so backward's gathers never cross nodes. k = world size is True, k = 1 is False.
     bucket: how collectives are grouped: ``"layer"`` (one per module that owns parameters), ``"block"`` (one per
         entry of ``blocks``), ``"auto"`` (one per repeated block the backend finds in the model, and one for the
         rest: ``fxshard.compiler.blocks``; the backend compiles per layer instead where the simulator predicts it faster, or
@@ -61,6 +68,15 @@ class PassContext:
     param_dtype: mixed precision: the dtype forward and backward compute in (parameters are cast from the fp32
         master before they are gathered); None computes in the parameters' own dtype.
     reduce_dtype: mixed precision: the dtype gradients are reduced in; None reduces in ``param_dtype``.
+    quantize_weights: stage 3: the shards travel to the all-gather packed as ``"bf16"``, ``"int8"`` or ``"fp8"``
+        (float8_e4m3fn; both blockwise, an fp32 scale per ``quantize_block`` elements) and are unpacked into the
+        compute dtype after it (ZeRO++'s qwZ): 1/4 of fp32's bytes plus the scales. Lossy: forward and backward
+        compute with the unpacked weights; the fp32 masters, gradients and optimizer state stay exact. None (the
+        default): the shards travel as they are (in ``param_dtype`` under mixed precision).
+    quantize_grads: stages 2 and 3: gradients are averaged by an all-to-all of ``"bf16"`` or blockwise ``"int8"``
+        packed rows and a sum here in fp32 (ZeRO++'s qgZ, in one hop): lossy, the error of each rank's part is at
+        most half a step of its block's grid. None (the default): exact, in ``reduce_dtype``.
+    quantize_block: elements per scale of the blockwise schemes (``passes.quantize.DEFAULT_QUANTIZE_BLOCK``).
     step_bucket_bytes: the eager ``optimizer.step()``'s collectives (stage 1's reduce-scatter of the gradients,
         stages 1 and 2's all-gathers that publish the updated shards, stage 0's all-reduce of gradients ``no_sync``
         kept local) are packed in parameter order into buckets of up to this many bytes of full buffer (DDP's
@@ -79,7 +95,9 @@ class PassContext:
     optimizer_bytes: int = 0
     reduce_scatter_by_all_to_all: bool = False
     group_twins: tuple[tuple[str, str], ...] = ()
-    reshard_after_forward: bool = True
+    secondary_group_name: str = ""
+    secondary_rank: int = 0
+    reshard_after_forward: bool | int = True
     bucket: str | int = "layer"
     blocks: Sequence[str | type] = ()
     prefetch: int = 1
@@ -88,10 +106,13 @@ class PassContext:
     memory_budget: int | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    quantize_weights: str | None = None
+    quantize_grads: str | None = None
+    quantize_block: int = DEFAULT_QUANTIZE_BLOCK
     step_bucket_bytes: int = DDP_BUCKET_BYTES
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
 FACTS = ("stage", "graph", "world_size", "group_name", "optimizer_bytes", "reduce_scatter_by_all_to_all",
-         "group_twins")
+         "group_twins", "secondary_group_name", "secondary_rank")
 KNOBS = tuple(f.name for f in dataclasses.fields(PassContext) if f.name not in FACTS)

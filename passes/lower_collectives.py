@@ -43,6 +43,7 @@ from fxshard.torch_compat import c10d_functional
 
 from .context import PassContext
 from .fx_utils import COLLECTIVE_ROLES, fxshard_meta, marker_args, position, refresh_fake_values, unit_of
+from .quantize import QuantizedNodes, wire_elements
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -113,7 +114,42 @@ def _group_of(marker: fx.Node) -> tuple[int, str, str]:
     return args["world_size"], args["group_name"], args["replicate_group_name"]
 
 
-def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node]) -> None:
+def _gathered(emit: _Emitter, shards: list[fx.Node], dtype: torch.dtype, world: int, group_name: str,
+              quantized: QuantizedNodes | None, regather: int | None) -> fx.Node:
+    """Every rank's (concatenated) shards, flat, in ``dtype``: gathered as they are (cast to ``dtype`` first), or
+    packed by ``quantized`` from their own dtype and unpacked into ``dtype``."""
+    if quantized is None:
+        cast = [_cast(emit, shard, dtype) for shard in shards]
+    else:
+        own = {s.meta["val"].dtype for s in shards}
+        cast = [_cast(emit, shard, dtype if len(own) > 1 else None) for shard in shards]
+    flat = cast[0] if len(cast) == 1 else emit("copy_in", aten.cat.default, cast)
+    chunk = sum(s.meta["val"].numel() for s in shards)
+    if quantized is not None:
+        flat = quantized.pack(emit("quantize", aten.view.default, flat, [1, chunk]), (1, chunk))
+    suffix = f"secondary_{emit.unit}" if regather else None  # reshard_after_forward=k: from secondary shards
+    gathered = emit("all_gather", c10d.all_gather_into_tensor.default, flat, world, group_name,
+                    name=suffix and f"all_gather_{suffix}")
+    if regather:
+        fxshard_meta(gathered).update(across="secondary", ranks=regather)
+    if quantized is not None:
+        fxshard_meta(gathered).update(quantized=quantized.scheme, block=quantized.block, row=chunk)
+    gathered = emit("wait", c10d.wait_tensor.default, gathered, name=suffix and f"wait_{suffix}")
+    if quantized is None:
+        return gathered
+    return emit("dequantize", aten.view.default, quantized.unpack(gathered, (world, chunk), dtype), [-1])
+
+
+def weight_quantizer(emit: _Emitter, ctx: PassContext, dtype: torch.dtype) -> QuantizedNodes | None:
+    """How a unit's shards are packed for the all-gather (``quantize_weights``); None where they travel as they
+    are, bf16 included when bf16 is what they are computed in anyway."""
+    scheme = ctx.quantize_weights
+    if scheme is None or (scheme == "bf16" and dtype == torch.bfloat16):
+        return None
+    return QuantizedNodes(emit, scheme, ctx.quantize_block)
+
+
+def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
     shards = list(dict.fromkeys(m.args[0] for m in markers))
     chunks = [s.meta["val"].numel() for s in shards]
     world, group_name, _ = _group_of(markers[0])
@@ -125,10 +161,9 @@ def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node]) -> None:
         anchor = latest_input.next
     with graph.inserting_before(anchor):
         dtype = markers[0].meta["val"].dtype  # the compute dtype: shards are cast before they travel
-        cast = [_cast(emit, shard, dtype) for shard in shards]
-        flat = cast[0] if len(cast) == 1 else emit("copy_in", aten.cat.default, cast)
-        gathered = emit("all_gather", c10d.all_gather_into_tensor.default, flat, world, group_name)
-        gathered = emit("wait", c10d.wait_tensor.default, gathered)
+        regather = fxshard_meta(markers[0]).get("regather")
+        gathered = _gathered(emit, shards, dtype, world, group_name,
+                             None if regather else weight_quantizer(emit, ctx, dtype), regather)
         if len(shards) > 1:
             rows = emit("copy_out", aten.view.default, gathered, [world, sum(chunks)])
             split = emit("copy_out", aten.split_with_sizes.default, rows, chunks, 1)
@@ -168,7 +203,8 @@ def _reduce_dtype(marker: fx.Node) -> torch.dtype:
     return marker_args(marker)["reduce_dtype"] or marker.args[0].meta["val"].dtype
 
 
-def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], by_all_to_all: bool) -> list[fx.Node]:
+def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], by_all_to_all: bool,
+                          quantized: QuantizedNodes | None) -> list[fx.Node]:
     world, group_name, replicate_group_name = _group_of(markers[0])
     chunks = [m.meta["val"].numel() for m in markers]
     rows = []
@@ -179,7 +215,17 @@ def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], by_all_to_all:
             flat = emit("copy_in", aten.constant_pad_nd.default, flat, [0, padding])
         rows.append(flat if len(markers) == 1 else emit("copy_in", aten.view.default, flat, [world, chunk]))
     buffer = rows[0] if len(rows) == 1 else emit("copy_in", aten.view.default, emit("copy_in", aten.cat.default, rows, 1), [-1])
-    if by_all_to_all:
+    if quantized is not None:  # each rank's rows packed, exchanged, unpacked and summed here in fp32
+        shape = (world, sum(chunks))
+        packed = quantized.pack(emit("quantize", aten.view.default, buffer, list(shape)), shape)
+        slices = [wire_elements(shape[1], quantized.scheme, quantized.block)] * world
+        received = emit("reduce_scatter", c10d.all_to_all_single.default, packed, slices, slices, group_name)
+        fxshard_meta(received).update(quantized=quantized.scheme, block=quantized.block, row=shape[1])
+        received = emit("wait", c10d.wait_tensor.default, received)
+        summed = emit("copy_out", aten.sum.dim_IntList, quantized.unpack(received, shape, torch.float32), [0])
+        reduced = _cast(emit, emit("copy_out", aten.div.Tensor, summed, world), _reduce_dtype(markers[0]),
+                        torch.float32)
+    elif by_all_to_all:
         slices = [sum(chunks)] * world
         received = emit("reduce_scatter", c10d.all_to_all_single.default, buffer, slices, slices, group_name)
         received = emit("wait", c10d.wait_tensor.default, received)
@@ -217,7 +263,7 @@ def _lower_all_reduce(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Node]:
     return [_cast(emit, grad, m.meta["val"].dtype, _reduce_dtype(m)) for grad, m in zip(grads, markers)]
 
 
-def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], by_all_to_all: bool) -> None:
+def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
     order = position(graph)
     markers = sorted(markers, key=order.__getitem__)
     sites = [site for m in markers for site in m.meta.get("fxshard", {}).get("merged", [marker_args(m)["fqn"]])]
@@ -225,7 +271,9 @@ def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], by_all_to_
     if marker_args(markers[0])["grad_reduction"] == "all_reduce":
         lower = _lower_all_reduce
     else:
-        lower = functools.partial(_lower_reduce_scatter, by_all_to_all=by_all_to_all)
+        quantized = None if ctx.quantize_grads is None else QuantizedNodes(emit, ctx.quantize_grads, ctx.quantize_block)
+        lower = functools.partial(_lower_reduce_scatter, by_all_to_all=ctx.reduce_scatter_by_all_to_all,
+                                  quantized=quantized)
     with graph.inserting_before(markers[-1]):
         reduced = lower(emit, markers)
     for marker, grad in zip(markers, reduced):
@@ -244,7 +292,7 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         else:
             _read_full(graph, marker)
     for (unit, *_), markers in _unit_groups(gathering).items():
-        _lower_gather(graph, unit, markers)
+        _lower_gather(graph, unit, markers, ctx)
     reduces = []
     for marker in list(graph.find_nodes(op="call_function", target=REDUCE_GRAD)):
         if marker_args(marker)["grad_reduction"] == "none":  # no_sync: the gradient stays local
@@ -257,7 +305,7 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     by_reduction = _unit_groups(reduces, key=lambda m: (marker_args(m)["grad_reduction"], _reduce_dtype(m)))
     for (unit, *_), markers in by_reduction.items():
         for group in _split_late_consumers(graph, markers):
-            _lower_reduce(graph, unit, group, ctx.reduce_scatter_by_all_to_all)
+            _lower_reduce(graph, unit, group, ctx)
     graph.lint()
     gm.recompile()
     refresh_fake_values(gm)

@@ -11,9 +11,9 @@ Everything a user needs for a budget is importable from here.
 
 from .optimizer_terms import optimizer_bytes
 from .step_ledger import graph_ledger, ledger, ledger_of_graphs, step_records
-from .symbols import B_GRAD, B_MASTER, B_PARAM, B_STATE, PSI, WIDTHS, ZERO_PAPER_WIDTHS, Ledger, N, R, T, U, psi
+from .symbols import B_GRAD, B_MASTER, B_PARAM, B_STATE, PSI, WIDTHS, ZERO_PAPER_WIDTHS, K, Ledger, N, Q_GRAD, Q_PARAM, R, T, U, psi
 
 __all__ = [
-    "B_GRAD", "B_MASTER", "B_PARAM", "B_STATE", "N", "PSI", "R", "T", "U", "WIDTHS", "ZERO_PAPER_WIDTHS", "Ledger",
+    "B_GRAD", "B_MASTER", "B_PARAM", "B_STATE", "K", "N", "Q_GRAD", "Q_PARAM", "PSI", "R", "T", "U", "WIDTHS", "ZERO_PAPER_WIDTHS", "Ledger",
     "graph_ledger", "ledger", "ledger_of_graphs", "optimizer_bytes", "psi", "step_records",
 ]

@@ -13,6 +13,7 @@ import sympy
 import torch
 from torch import fx
 
+from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES, FUNCTIONAL_COLLECTIVES, is_view, replica_ranks, size_hint
 from fxshard.torch_compat import (
     LocalSource,
@@ -22,7 +23,7 @@ from fxshard.torch_compat import (
     c10d_functional,
 )
 
-from .symbols import B_GRAD, B_PARAM, N, R, T, Term, psi, shard, sizes_at
+from .symbols import B_GRAD, B_PARAM, K, N, Q_GRAD, Q_PARAM, R, T, Term, psi, shard, sizes_at
 
 # Names of a model input's leading dimensions when the graph has symbolic sizes (``torch.compile(dynamic=True)``).
 SIZE_NAMES = ("batch", "seq")
@@ -158,6 +159,28 @@ def _tensor_parallel_term(node: fx.Node, index: int, graph: str, sizes: Sizes, d
     return term, row
 
 
+def _quantized_terms(node: fx.Node, kind: str, source: str, sizes: Sizes) -> list[Term]:
+    """The comm terms of a packed collective (``quantize_weights`` / ``quantize_grads``, ``passes/quantize.py``):
+    its values at the wire width ``q_param`` / ``q_grad``, and, blockwise, one fp32 scale per block as a term of its
+    own. A gather packs one row (this rank's shards), the gradients' all-to-all N rows."""
+    meta = _meta(node)
+    counts = [p.count for p in sizes.of_sites(meta.get("params", []))]
+    row = sizes.matching(meta["row"], [sympy.Add(*map(shard, counts))])
+    rows = 1 if kind == "all_gather" else N
+    buffer = node.args[0].meta["val"]
+    width = Q_PARAM if kind == "all_gather" else Q_GRAD
+    sizes.values[width] = 2 if meta["quantized"] == "bf16" else 1
+    if meta["quantized"] == "bf16":
+        return [Term("comm", kind, rows * row, width, source, calls=1, unit=meta.get("unit", ""))]
+    blocks = sympy.ceiling(row / meta["block"])
+    expected = sizes_at(rows * (meta["block"] * blocks + 4 * blocks), sizes.values)
+    if expected != size_hint(buffer.numel()):
+        raise FxShardError(f"{source}: a packed buffer of {size_hint(buffer.numel())} elements, the ledger expects "
+                           f"{expected}: passes/quantize.py and the ledger disagree on the layout")
+    return [Term("comm", kind, rows * meta["block"] * blocks, width, source, calls=1, unit=meta.get("unit", "")),
+            Term("comm", kind, rows * blocks, sympy.Integer(4), f"{source} (scales)", unit=meta.get("unit", ""))]
+
+
 def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes,
                      tensor_parallel: dict[str, int] | None = None) -> tuple[list[Term], list[dict]]:
     """One comm term per collective node, its input buffer in parameter counts; and the schedule rows.
@@ -178,21 +201,30 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes,
         buffer = node.args[0].meta["val"]
         params = sizes.of_sites(meta.get("params", []))
         counts = [p.count for p in params]
+        if meta.get("quantized"):
+            terms += _quantized_terms(node, kind, f"{graph}: {node.name}", sizes)
+            schedule.append({"graph": graph, "position": index, "collective": f"{kind} ({meta['quantized']})",
+                             "unit": meta.get("unit", ""), "params": [p.name for p in params], "node": node.name,
+                             "bytes": size_hint(buffer.numel()) * buffer.element_size()})
+            continue
         across_replicas = replica_ranks(node) is not None  # hybrid mesh: a gradient shard averaged over R ranks
         if across_replicas:
             sizes.values[R] = replica_ranks(node)
+        from_secondary = meta.get("across") == "secondary"  # reshard_after_forward=k: a re-gather over K ranks
+        if from_secondary:
+            sizes.values[K] = meta["ranks"]
         candidates = {
-            "all_gather": [sympy.Add(*map(shard, counts))],
+            "all_gather": [N * sympy.Add(*map(shard, counts)) / K if from_secondary else sympy.Add(*map(shard, counts))],
             "reduce_scatter": [N * sympy.Add(*map(shard, counts))],
             "all_reduce": [sympy.Add(*map(shard, counts)) if across_replicas else sympy.Add(*counts)],
         }[kind]
         elements = sizes.matching(size_hint(buffer.numel()), candidates)
         width = width_of(buffer, B_PARAM if kind == "all_gather" else B_GRAD, sizes.values)
         unit = meta.get("unit", "")
-        terms.append(Term("comm", kind, elements, width, f"{graph}: {node.name}", calls=1, unit=unit,
-                          ranks=R if across_replicas else N))
-        schedule.append({"graph": graph, "position": index,
-                         "collective": f"{kind} over replicas" if across_replicas else kind, "unit": unit,
+        ranks = R if across_replicas else K if from_secondary else N
+        terms.append(Term("comm", kind, elements, width, f"{graph}: {node.name}", calls=1, unit=unit, ranks=ranks))
+        where = {R: " over replicas", K: " from secondary shards"}.get(ranks, "")
+        schedule.append({"graph": graph, "position": index, "collective": f"{kind}{where}", "unit": unit,
                          "params": [p.name for p in params], "node": node.name,
                          "bytes": size_hint(buffer.numel()) * buffer.element_size()})
     return terms, schedule
@@ -277,6 +309,8 @@ def _held_as(node, aliases, value, sizes: Sizes, grads, saved) -> tuple[str, sym
         return "gradients", sympy.Add(*(grads[a] for a in grad_views)), width_of(value, B_GRAD, sizes.values)
     if meta.get("role") == "all_gather":
         return "gathered", _gathered_expr(node, sizes), width_of(value, B_PARAM, sizes.values)
+    if meta.get("role") == "secondary":
+        return _secondary_shard(node, value, sizes)
     if meta.get("role") == "copy_out" and node.target is torch.ops.aten.clone.default:
         return "gathered", _column_expr(node, sizes), width_of(value, B_PARAM, sizes.values)
     if meta.get("role") == "copy_in" and any(_meta(u).get("role") in ("reduce_scatter", "all_reduce")
@@ -321,6 +355,15 @@ def _column_expr(clone: fx.Node, sizes: Sizes) -> sympy.Expr:
     return sizes.matching(numel, [N * shard(p.count) for p in params])
 
 
+def _secondary_shard(node: fx.Node, value: torch.Tensor, sizes: Sizes) -> tuple[str, sympy.Expr, sympy.Expr]:
+    """(item, elements, width) of a secondary shard forward keeps for backward (``reshard_after_forward=k``): 1/K of
+    its weight's gathered, padded length."""
+    sizes.values[K] = _meta(node)["ranks"]
+    params = sizes.of_sites(_meta(node)["params"])
+    elements = sizes.matching(size_hint(value.numel()), [N * shard(p.count) / K for p in params])
+    return "secondary shards", elements, width_of(value, B_PARAM, sizes.values)
+
+
 def saved_activations(forward: fx.GraphModule, sizes: Sizes) -> list[Term]:
     """Forward outputs saved for backward that are not graph inputs (those are parameters or the batch)."""
     output = next(iter(forward.graph.find_nodes(op="output")))
@@ -331,6 +374,9 @@ def saved_activations(forward: fx.GraphModule, sizes: Sizes) -> list[Term]:
             continue
         tensor = value.meta.get("val")
         if value.op == "placeholder" or not isinstance(tensor, torch.Tensor):
+            continue
+        if _meta(value).get("role") == "secondary":
+            terms.append(Term("saved", *_secondary_shard(value, tensor, sizes), f"forward: {value.name}"))
             continue
         elements = sizes.numel_of(tensor)
         width = sympy.Integer(tensor.element_size())

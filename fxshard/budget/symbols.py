@@ -13,11 +13,14 @@ from fxshard.errors import FxShardError
 N = sympy.Symbol("N", positive=True, integer=True)
 R = sympy.Symbol("R", positive=True, integer=True)
 T = sympy.Symbol("T", positive=True, integer=True)  # the tensor-parallel degree: the ranks DTensor's collectives span
+K = sympy.Symbol("K", positive=True, integer=True)  # reshard_after_forward=k: the ranks backward re-gathers over
 PSI = sympy.Symbol("Ψ", positive=True)
 U = sympy.Symbol("U", positive=True, integer=True)  # the elements of the largest unit prepare materialises at once
 B_PARAM, B_GRAD, B_MASTER, B_STATE = (sympy.Symbol(n, positive=True)
                                       for n in ("b_param", "b_grad", "b_master", "b_state"))
 WIDTHS = (B_PARAM, B_GRAD, B_MASTER, B_STATE)
+# quantize_weights / quantize_grads: the bytes per element of a packed buffer on the wire (1: int8, fp8; 2: bf16)
+Q_PARAM, Q_GRAD = sympy.Symbol("q_param", positive=True), sympy.Symbol("q_grad", positive=True)
 # The ZeRO paper's mixed-precision Adam accounting: 2-byte parameters and gradients, fp32 master copy and moments.
 ZERO_PAPER_WIDTHS = {B_PARAM: 2, B_GRAD: 2, B_MASTER: 4, B_STATE: 4}
 
@@ -52,7 +55,7 @@ class Term:
     calls: int = 0  # collectives: how many run per step
     unit: str = ""
     ranks: sympy.Expr = N  # collectives: the group they run over (R: across the replicas of a hybrid mesh; T: over
-    # the tensor-parallel dimension, DTensor's own collectives)
+    # the tensor-parallel dimension, DTensor's own collectives; K: backward's re-gathers from secondary shards)
 
     @property
     def bytes(self) -> sympy.Expr:
@@ -102,7 +105,7 @@ class Ledger:
     def communicated(self, kind: str | None = None, *, moved: bool = False, ranks: sympy.Expr | None = None
                      ) -> sympy.Expr:
         """Bytes per step: handed to collectives (``moved=False``, what ``CollectiveCounter`` counts) or sent in a
-        ring (``moved=True``); of one kind, over one group (``ranks``: ``N``, ``R`` or ``T``), or all."""
+        ring (``moved=True``); of one kind, over one group (``ranks``: ``N``, ``R``, ``T`` or ``K``), or all."""
         terms = [t for t in self.select("comm", kind) if ranks is None or t.ranks == ranks]
         return sympy.Add(*((t.moved if moved else t.bytes) for t in terms))
 
@@ -110,9 +113,9 @@ class Ledger:
         return sum(t.calls for t in self.select("comm", kind) if ranks is None or t.ranks == ranks)
 
     def groups(self, kind: str) -> list[sympy.Expr]:
-        """The groups (``N``, then ``R`` on a hybrid mesh, ``T`` under tensor parallelism) that collectives of
-        ``kind`` run over."""
-        return [g for g in (N, R, T) if any(t.ranks == g for t in self.select("comm", kind))]
+        """The groups (``N``, then ``R`` on a hybrid mesh, ``T`` under tensor parallelism, ``K`` with secondary
+        shards) that collectives of ``kind`` run over."""
+        return [g for g in (N, R, T, K) if any(t.ranks == g for t in self.select("comm", kind))]
 
     def mixed_precision(self) -> sympy.Expr:
         """Resident bytes under the ZeRO paper's mixed-precision accounting: the run's terms plus a compute copy
@@ -123,7 +126,7 @@ class Ledger:
         """``expr`` evaluated at this run's sizes (Ψ is the sum of the ψ), overridden by name: ``N=64``,
         ``b_param=2``, ``Ψ=7.5e9``."""
         values = {**self.values, PSI: sum(self.values.get(c, 0) for c in self.params.values())}
-        known = {s.name: s for s in [N, R, T, PSI, U, *WIDTHS, *values]}
+        known = {s.name: s for s in [N, R, T, K, PSI, U, *WIDTHS, *values]}
         for name, value in sizes.items():
             if name not in known:
                 raise FxShardError(f"the ledger has no symbol {name!r}; it has {sorted(known)}")

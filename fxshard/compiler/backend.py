@@ -19,7 +19,7 @@ from fxshard.errors import FxShardError
 from fxshard.passes import PassContext
 from fxshard.passes.context import COLLECTIVE_TIMEOUT_S, DDP_BUCKET_BYTES, default_bucket
 from fxshard.report.trace import trace_choice
-from fxshard.runtime.groups import explaining_peer_failures, scatters_by_all_to_all
+from fxshard.runtime.groups import explaining_peer_failures, scatters_by_all_to_all, secondary_group
 from fxshard.runtime.optim import (
     annotate_optimizer_graph,
     clip_grad_norm_,
@@ -43,7 +43,16 @@ from fxshard.torch_compat import aot_module_simplified, make_boxed_func, min_cut
 from .blocks import block_prefixes, describe_grouping, repeated_blocks
 from .consistency import check_same_schedule, prepare_check_group
 from .inductor import InductorCompiler
-from .options import COMPILERS, DEFAULT_COMPILER, STAGES, check_mesh, checked_knobs, mesh_groups
+from .options import (
+    COMPILERS,
+    DEFAULT_COMPILER,
+    STAGES,
+    check_mesh,
+    check_stage_knobs,
+    checked_knobs,
+    mesh_groups,
+    secondary_size,
+)
 from .pipeline import GraphRecord, Pass, run_passes
 
 # Every tensor a backend's prepare laid out (trainable leaves, the optimizer's shards) -> that backend, weakly;
@@ -123,6 +132,7 @@ class Backend:
         self.machine = machine
         self.group, self.mesh = group, mesh
         self.knobs = {"bucket": default_bucket(stage), **checked_knobs(knobs)}
+        check_stage_knobs(self.knobs, stage)
         self.passes = list(default_passes() if passes is None else passes)
         self.compiler = compiler
         self.model: nn.Module | None = None  # what prepare laid out, for the report and the budget
@@ -130,6 +140,7 @@ class Backend:
         self.graphs: list[GraphRecord] = []
         self._graph_ids = itertools.count()
         self._check_group_name = ""  # the group the consistency check compares over, set by prepare
+        self._secondary: tuple[str, int] = ("", 0)  # reshard_after_forward=k: (group, this rank's place), by prepare
 
     # -- preparing ----------------------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -146,10 +157,11 @@ class Backend:
         if param_init_fn is not None and not callable(param_init_fn):
             raise FxShardError(f"param_init_fn must be a function fn(module) -> None, got {param_init_fn!r}")
         groups = (self.group, None, None) if self.mesh is None else mesh_groups(self.mesh, self.stage)
+        timeout_s = self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S)
+        self._make_secondary_group(groups[0], timeout_s)  # refuses a k that cannot apply before anything changes
         leaves, grad_sync = shard_parameters(model, self.stage, groups[0], self.knobs.get("param_dtype"),
                                              self.knobs.get("reduce_dtype"),
-                                             self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S),
-                                             *groups[1:], self.mesh,
+                                             timeout_s, *groups[1:], self.mesh,
                                              param_init_fn=param_init_fn, device=device,
                                              init_units=tuple(b for b in repeated_blocks(model) if b))
         self.model = model
@@ -167,6 +179,18 @@ class Backend:
         self._check_group_name = "" if spec is None else spec.all_ranks_group_name
         prepare_check_group(self._check_group_name, self.knobs.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S))
         return model, self.optimizer
+
+    def _make_secondary_group(self, shard_group, timeout_s: float) -> None:
+        """``reshard_after_forward=k``: the group of k ranks backward re-gathers over (``secondary_size``)."""
+        reshard = self.knobs.get("reshard_after_forward", True)
+        if isinstance(reshard, bool) or not torch.distributed.is_initialized():  # shard_parameters says what is wrong
+            return
+        shard_group = shard_group or torch.distributed.group.WORLD
+        k = secondary_size(reshard, self.stage, torch.distributed.get_world_size(shard_group))
+        if k is not None:
+            self._secondary = secondary_group(shard_group, k, timeout_s)
+        else:  # the whole shard group is True, a group of one keeps the whole weight
+            self.knobs["reshard_after_forward"] = reshard != 1
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the prepared optimizer's gradients by the norm of the whole model's averaged gradient, as
@@ -223,6 +247,8 @@ class Backend:
             optimizer_bytes=0 if self.optimizer is None else optimizer_bytes(self.optimizer, self.model),
             reduce_scatter_by_all_to_all=first is not None and scatters_by_all_to_all(first.group_name),
             group_twins=self._group_twins(),
+            secondary_group_name=self._secondary[0],
+            secondary_rank=self._secondary[1],
             **self.knobs,
         )
         context = dataclasses.replace(context, blocks=self._block_names())

@@ -7,6 +7,7 @@ import torch
 
 from fxshard.errors import FxShardError
 from fxshard.passes.context import KNOBS
+from fxshard.passes.quantize import GRAD_SCHEMES, SCHEMES
 from fxshard.runtime.groups import group_over
 
 STAGES = (0, 1, 2, 3)
@@ -35,6 +36,20 @@ def checked_knobs(knobs: dict) -> dict:
         value = knobs.get(name)
         if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
             raise FxShardError(f"{name} must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {value!r}")
+    reshard = knobs.get("reshard_after_forward", True)
+    if not isinstance(reshard, int) or (not isinstance(reshard, bool) and reshard < 1):
+        raise FxShardError("reshard_after_forward must be True, False or an int k >= 1 dividing the shard group "
+                           f"(re-gather in backward within groups of k ranks), got {reshard!r}")
+    for name, schemes in (("quantize_weights", SCHEMES), ("quantize_grads", GRAD_SCHEMES)):
+        value = knobs.get(name)
+        if value is not None and value not in schemes:
+            raise FxShardError(f"{name} must be None or one of {schemes}, got {value!r}")
+    if knobs.get("quantize_weights") == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        raise FxShardError(f'quantize_weights="fp8" needs torch.float8_e4m3fn, which torch {torch.__version__} lacks: '
+                           'use "int8" (the same bytes on the wire)')
+    block = knobs.get("quantize_block", 1)
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise FxShardError(f"quantize_block must be a positive int (elements per scale), got {block!r}")
     schedule = knobs.get("schedule")
     if schedule is not None and not callable(schedule):
         raise FxShardError(f"schedule must be a function schedule(gm, ctx) -> gm, got {schedule!r}")
@@ -69,6 +84,32 @@ def check_mesh(mesh, group) -> None:
         )
     if mesh.ndim not in (1, 2):
         raise FxShardError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim} dimensions")
+
+
+def check_stage_knobs(knobs: dict, stage: int) -> None:
+    """FxShardError for a communication option the stage has no collective for."""
+    if knobs.get("quantize_weights") is not None and stage != 3:
+        raise FxShardError(f"quantize_weights packs the weights' all-gather, and only stage 3 gathers weights (this "
+                           f"backend is stage {stage}): use stage=3 or drop the option")
+    if knobs.get("quantize_grads") is not None and stage not in (2, 3):
+        raise FxShardError(f"quantize_grads packs the gradients' reduce-scatter in the compiled backward, which "
+                           f"stages 2 and 3 run (this backend is stage {stage}): use stage=2 or 3, or drop the option")
+
+
+def secondary_size(reshard_after_forward: bool | int, stage: int, shard_world: int) -> int | None:
+    """The k of ``reshard_after_forward=k`` where it asks for a secondary shard (1 < k < the shard group's size),
+    None for True and False and the ks that mean them (the group's size, 1); FxShardError where k cannot apply."""
+    if isinstance(reshard_after_forward, bool):
+        return None
+    k = reshard_after_forward
+    if stage != 3:
+        raise FxShardError(f"reshard_after_forward={k} re-gathers weights from a secondary shard in backward, and only "
+                           f"stage 3 gathers weights (this backend is stage {stage}): use stage=3 or drop the option")
+    if shard_world % k:
+        raise FxShardError(f"reshard_after_forward={k} must divide the {shard_world} ranks parameters are sharded "
+                           f"over (each group of k consecutive ranks holds a secondary shard): use one of "
+                           f"{[d for d in range(1, shard_world + 1) if shard_world % d == 0]}")
+    return k if 1 < k < shard_world else None
 
 
 def mesh_groups(mesh, stage: int) -> tuple:

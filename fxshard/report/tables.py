@@ -94,7 +94,8 @@ def ledger_rows(ledger: budget.Ledger, measured=None, sums: SumNames | None = No
         for ranks in groups:
             # a counter sees collectives, not their groups: its bytes go where one group runs this kind
             value = None if per_step is None or len(groups) > 1 else per_step[kind]
-            what = {budget.R: f"{kind} over replicas", budget.T: f"{kind} over tp"}.get(ranks, kind)
+            what = {budget.R: f"{kind} over replicas", budget.T: f"{kind} over tp",
+                    budget.K: f"{kind} from secondary shards"}.get(ranks, kind)
             add("per step", f"{what} input ({ledger.calls(kind, ranks)} calls)", ledger.communicated(kind, ranks=ranks),
                 value)
             add("per step", f"{what} sent (ring)", ledger.communicated(kind, moved=True, ranks=ranks))
@@ -119,9 +120,10 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
                            "ledger": rows, "schedule": ledger.schedule}, indent=2, default=str)
     parts = [title or "fxshard ledger",
              f"N={ledger.values[budget.N]}, "
-             + "".join(f"{g}={ledger.values[g]}, " for g in (budget.R, budget.T) if g in ledger.values)
+             + "".join(f"{g}={ledger.values[g]}, " for g in (budget.R, budget.T, budget.K) if g in ledger.values)
              + f"Ψ={ledger.at(budget.PSI)}, widths "
-             + ", ".join(f"{w}={ledger.values[w]}" for w in budget.WIDTHS)]
+             + ", ".join(f"{w}={ledger.values[w]}" for w in (*budget.WIDTHS, budget.Q_PARAM, budget.Q_GRAD)
+                         if w in ledger.values)]
     # a table per section, a blank line apart: the memory items' long forms and the collectives' long names never
     # share a line
     for index, section in enumerate(dict.fromkeys(r["section"] for r in rows)):
@@ -136,6 +138,9 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
     parts.append("ψ[x]: the elements of parameter x, or of all the parameters of module x; Ψ: of the whole model")
     if budget.T in ledger.values:
         parts.append("T: the tensor-parallel ranks; ψ and Ψ count this tp rank's pieces (split parameters: 1/T each)")
+    if budget.K in ledger.values:
+        parts.append("K: the ranks backward re-gathers each weight over, from the secondary shards (1/K each) forward "
+                     "keeps (reshard_after_forward=K)")
     for largest_unit in ledger.select("prepare", "largest unit"):
         parts.append(f"U: the elements of the largest unit prepare materialised whole ({largest_unit.source})")
     parts.extend(sums.legend())

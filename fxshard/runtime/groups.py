@@ -84,6 +84,18 @@ def group_over(ranks: list[int]) -> dist.ProcessGroup:
     return dist.new_group(ranks=ranks, use_local_synchronization=True)
 
 
+def secondary_group(shard_group, size: int, timeout_s: float) -> tuple[str, int]:
+    """(the name of the group fxshard re-gathers over, this rank's place in it) for ``reshard_after_forward=size``:
+    the ``size`` consecutive ranks of ``shard_group`` that hold this rank (on one node when a node's ranks are
+    numbered together, as torchrun numbers them). Every rank of ``shard_group`` calls this; each group is made by
+    its own ranks."""
+    ranks = dist.get_process_group_ranks(shard_group)
+    place = ranks.index(dist.get_rank())
+    members = sorted(ranks[place - place % size:][:size])
+    group = collective_group(group_over(members), timeout_s)
+    return group.group_name, members.index(dist.get_rank())  # a group's gathers stack its ranks in this order
+
+
 def gloo_worker_threads(group_name: str) -> int | None:
     """How many worker threads the gloo backend of the group named ``group_name`` runs (None: not gloo)."""
     return gloo_threads(resolve_group(group_name))

@@ -1,0 +1,106 @@
+"""Quantized collectives: the nodes that pack a buffer into fewer bytes before it travels and unpack it after
+(ZeRO++'s qwZ and qgZ), used by ``lower_collectives_pass`` where ``quantize_weights`` / ``quantize_grads`` ask.
+
+Schemes (``SCHEMES``):
+- ``"bf16"``: a cast; half the bytes of fp32, relative error <= 2^-9 per element;
+- ``"int8"``: blockwise symmetric: each block of ``block`` elements is sent as int8 ``round(x / s)`` with its fp32
+  scale ``s = max|x| / 127``; a quarter of fp32's bytes plus 4 / ``block`` bytes of scale per element, error
+  <= s / 2 per element (half a step of its block's grid);
+- ``"fp8"``: blockwise float8_e4m3fn, ``s = max|x| / 448``; the same bytes as int8, relative error <= 2^-4 per
+  element of magnitude above the block's subnormal range.
+
+A quantized buffer travels as ONE int8 tensor (values then their scales' bytes) so a collective moves it once: gloo
+takes no float8 and a second collective for the scales would pay its latency again. Every node here is plain ATen
+(``view.dtype`` is a bitcast), so Inductor fuses the packing into the producer and the unpacking into the consumer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+SCHEMES = ("bf16", "int8", "fp8")
+GRAD_SCHEMES = ("bf16", "int8")
+DEFAULT_QUANTIZE_BLOCK = 256  # elements per scale: 1.6% of int8's bytes go to scales
+_LARGEST = {"int8": 127.0, "fp8": 448.0}
+_WIRE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def wire_elements(elements: int, scheme: str, block: int) -> int:
+    """The int8 elements a row of ``elements`` values travels as (values padded to whole blocks, then 4 bytes of
+    scale per block); for ``"bf16"`` the bf16 elements."""
+    if scheme == "bf16":
+        return elements
+    blocks = -(-elements // block)
+    return blocks * block + 4 * blocks
+
+
+def scales_per_row(elements: int, block: int) -> int:
+    return -(-elements // block)
+
+
+class QuantizedNodes:
+    """Emits the packing and unpacking nodes through ``emit(role, target, *args)`` (``lower_collectives``'s
+    emitter: every node records its unit and role)."""
+
+    def __init__(self, emit, scheme: str, block: int):
+        self.emit, self.scheme, self.block = emit, scheme, block
+
+    def pack(self, rows: fx.Node, shape: tuple[int, int]) -> fx.Node:
+        """``rows`` ([r, n] floats) as the flat buffer that travels: bf16, or int8 values and scale bytes per row."""
+        emit = self.emit
+        if self.scheme == "bf16":
+            bf16 = emit("quantize", prims.convert_element_type.default, rows, torch.bfloat16)
+            return emit("quantize", aten.view.default, bf16, [-1])
+        count, elements = shape
+        blocks = scales_per_row(elements, self.block)
+        padded = rows
+        if blocks * self.block != elements:
+            padded = emit("quantize", aten.constant_pad_nd.default, rows, [0, blocks * self.block - elements])
+        grid = emit("quantize", aten.view.default, padded, [count, blocks, self.block])
+        largest = emit("quantize", aten.amax.default, emit("quantize", aten.abs.default, grid), [2], True)
+        # an all-zero block gets the least normal scale: its values quantize to 0 either way, and nothing is 0 / 0
+        largest = emit("quantize", aten.clamp_min.default, largest, torch.finfo(torch.float32).tiny)
+        scale = emit("quantize", aten.div.Tensor, largest, _LARGEST[self.scheme])
+        scaled = emit("quantize", aten.div.Tensor, grid, scale)
+        if self.scheme == "int8":
+            rounded = emit("quantize", aten.round.default, scaled)  # clamp_min / clamp_max: Inductor lowers them
+            scaled = emit("quantize", aten.clamp_max.default, emit("quantize", aten.clamp_min.default, rounded, -127), 127)
+        values = emit("quantize", prims.convert_element_type.default, scaled, _WIRE[self.scheme])
+        if self.scheme == "fp8":
+            values = emit("quantize", aten.view.dtype, values, torch.int8)
+        values = emit("quantize", aten.view.default, values, [count, blocks * self.block])
+        scale_bytes = emit("quantize", aten.view.dtype,
+                           emit("quantize", prims.convert_element_type.default,
+                                emit("quantize", aten.view.default, scale, [count, blocks]), torch.float32),
+                           torch.int8)
+        packed = emit("quantize", aten.cat.default, [values, scale_bytes], 1)
+        return emit("quantize", aten.view.default, packed, [-1])
+
+    def unpack(self, received: fx.Node, shape: tuple[int, int], dtype: torch.dtype) -> fx.Node:
+        """The [r, n] values in ``dtype`` that ``received`` (r packed rows, as ``pack`` made them) carries."""
+        emit = self.emit
+        count, elements = shape
+        if self.scheme == "bf16":
+            rows = emit("dequantize", aten.view.default, received, [count, elements])
+            return emit("dequantize", prims.convert_element_type.default, rows, dtype)
+        blocks = scales_per_row(elements, self.block)
+        rows = emit("dequantize", aten.view.default, received, [count, blocks * self.block + 4 * blocks])
+        values = emit("dequantize", aten.slice.Tensor, rows, 1, 0, blocks * self.block)
+        scale_bytes = emit("dequantize", aten.clone.default,
+                           emit("dequantize", aten.slice.Tensor, rows, 1, blocks * self.block, None))
+        scale = emit("dequantize", aten.view.dtype, scale_bytes, torch.float32)
+        if self.scheme == "fp8":
+            values = emit("dequantize", aten.view.dtype, values, torch.float8_e4m3fn)
+        grid = emit("dequantize", aten.view.default,
+                    emit("dequantize", prims.convert_element_type.default, values, torch.float32),
+                    [count, blocks, self.block])
+        scaled = emit("dequantize", aten.mul.Tensor, grid, emit("dequantize", aten.view.default, scale,
+                                                                 [count, blocks, 1]))
+        flat = emit("dequantize", aten.view.default, scaled, [count, blocks * self.block])
+        if blocks * self.block != elements:
+            flat = emit("dequantize", aten.slice.Tensor, flat, 1, 0, elements)
+        return emit("dequantize", prims.convert_element_type.default, flat, dtype)

@@ -1,0 +1,84 @@
+"""Rank functions for the communication options (secondary shards, quantized gathers and reductions): what a step
+sends on the wire, counted by the kernel, beside the ledger; training against plain stage 3."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import fxshard
+import scenarios
+from fxshard import budget
+from fxshard.report.wire import sent_between, tcp_sockets
+from fxshard.testing import rank_and_world
+from fxshard.torch_compat import c10d_functional, resolve_group
+
+WARM_STEPS = 2  # the first step compiles; the second is the first to run what was compiled
+
+
+def _phases_of_a_step(run, opt, generator):
+    """The phases of one training step of the GPT on this rank's slice of a global batch: forward, backward, the
+    optimizer's step, and the loss."""
+    rank, world = rank_and_world()
+    batch = scenarios.global_batch("gpt", world * scenarios.PER_RANK_BATCH, generator)
+    local = tuple(t[rank * scenarios.PER_RANK_BATCH:(rank + 1) * scenarios.PER_RANK_BATCH] for t in batch)
+    state = {}
+
+    def forward():
+        state["loss"] = scenarios.loss_of("gpt", run, local)
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    return {"forward": forward, "backward": lambda: state["loss"].backward(), "step": step}, state
+
+
+def _sent_during(work, pids) -> dict:
+    """{(sender, receiver): bytes} every pair of ranks sent while every rank ran ``work``, counted on rank 0; no
+    rank starts ``work`` before rank 0 has counted, nor goes on before it has counted again (the barriers' own
+    bytes are in it)."""
+    counted = []
+    for _ in range(2):
+        dist.barrier()
+        counted.append(tcp_sockets() if dist.get_rank() == 0 else None)
+        dist.barrier()
+        if len(counted) == 1:
+            work()
+    return sent_between(*counted, pids) if dist.get_rank() == 0 else {}
+
+
+def step_on_the_wire(steps: int = 3, **options) -> dict:
+    """Stage 3 AdamW on the GPT under ``options`` for ``steps`` steps (at least ``WARM_STEPS`` + 1): the losses,
+    the full parameters after them, and of the last step, by phase (forward, backward, step), the bytes each pair of
+    ranks sent as the kernel counts them (less what two barriers alone send), beside the ledger's bytes sent per rank
+    (ring collectives), in all and by the group they run over."""
+    torch._dynamo.reset()
+    model = scenarios.build_model("gpt")
+    backend = fxshard.backend(stage=3, **options)
+    model, opt = backend.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    pids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    barriers = _sent_during(lambda: None, pids)
+    generator = torch.Generator().manual_seed(1)
+    losses, sent = [], {}
+    for _ in range(steps):
+        phases, state = _phases_of_a_step(run, opt, generator)
+        for name, work in phases.items():
+            pairs = _sent_during(work, pids)
+            sent[name] = {pair: pairs[pair] - barriers.get(pair, 0) for pair in pairs}
+        losses.append(state["loss"].item())
+    ledger = budget.ledger(backend)
+    by_group = {str(g): ledger.at(ledger.communicated(moved=True, ranks=g))
+                for g in (budget.N, budget.R, budget.T, budget.K) if any(t.ranks == g for t in ledger.select("comm"))}
+    by_kind = {kind: ledger.at(ledger.communicated(kind, moved=True)) for kind in ("all_gather", "reduce_scatter")}
+    backward_gathers = [n.args[-1] for r in backend.graphs if r.kind == "backward" for n in r.final.graph.nodes
+                        if n.target is c10d_functional.all_gather_into_tensor.default]
+    return {"losses": losses, "final": scenarios.full_state(model), "sent": sent,
+            "ledger_sent": ledger.at(ledger.communicated(moved=True)), "ledger_by_group": by_group,
+            "ledger_by_kind": by_kind, "calls": {kind: ledger.calls(kind) for kind in ("all_gather", "reduce_scatter")},
+            "backward_gather_ranks": sorted({tuple(dist.get_process_group_ranks(resolve_group(name)))
+                                             for name in backward_gathers})}
