@@ -94,6 +94,17 @@ def gpt_batch(config: GPTConfig, batch_size: int, generator: torch.Generator) ->
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def pattern_batch(config: GPTConfig, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences that follow a rule a model learns in a few dozen steps (each token is three times the one
+    before plus one, modulo the vocabulary, from a random first token), and their next-token targets: a task whose
+    loss falls, to compare training curves on."""
+    tokens = [torch.randint(0, config.vocab_size, (batch_size, 1), generator=generator)]
+    for _ in range(config.block_size):
+        tokens.append((tokens[-1] * 3 + 1) % config.vocab_size)
+    sequence = torch.cat(tokens, 1)
+    return sequence[:, :-1], sequence[:, 1:]
+
+
 @dataclasses.dataclass
 class LlamaConfig:
     """The shape of a Llama-style decoder, with HuggingFace's field names (a tiny one by default)."""

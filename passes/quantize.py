@@ -2,12 +2,12 @@
 (ZeRO++'s qwZ and qgZ), used by ``lower_collectives_pass`` where ``quantize_weights`` / ``quantize_grads`` ask.
 
 Schemes (``SCHEMES``):
-- ``"bf16"``: a cast; half the bytes of fp32, relative error <= 2^-9 per element;
+- ``"bf16"``: a cast; half the bytes of fp32, relative error <= 2^-8 per element (half a unit in the last place);
 - ``"int8"``: blockwise symmetric: each block of ``block`` elements is sent as int8 ``round(x / s)`` with its fp32
   scale ``s = max|x| / 127``; a quarter of fp32's bytes plus 4 / ``block`` bytes of scale per element, error
   <= s / 2 per element (half a step of its block's grid);
 - ``"fp8"``: blockwise float8_e4m3fn, ``s = max|x| / 448``; the same bytes as int8, relative error <= 2^-4 per
-  element of magnitude above the block's subnormal range.
+  element, and at most 2^-10 s for the smallest (|x| < 2^-6 s, float8's subnormals).
 
 A quantized buffer travels as ONE int8 tensor (values then their scales' bytes) so a collective moves it once: gloo
 takes no float8 and a second collective for the scales would pay its latency again. Every node here is plain ATen

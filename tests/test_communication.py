@@ -1,5 +1,6 @@
-"""Communication that costs less: secondary shards (``reshard_after_forward=k``), checked on the wire as the kernel
-counts it (every TCP socket between two ranks), against the ledger and against plain stage 3."""
+"""Communication that costs less: secondary shards (``reshard_after_forward=k``) and quantized gathers and
+reductions (``quantize_weights``, ``quantize_grads``), checked on the wire as the kernel counts it (every TCP socket
+between two ranks) against the ledger, and in training against plain stage 3 on a task whose loss falls."""
 
 import pytest
 import torch
@@ -12,9 +13,13 @@ from fxshard.testing import fake_process_group
 
 WORLD = 4
 NODE = 2  # ranks per "node": reshard_after_forward=2 keeps backward's gathers inside {0, 1} and {2, 3}
-# gloo frames each message (a header per send): on this small GPT's step the wire carries up to ~2% more than the
-# ledger's payload
+# gloo frames each message: on this small GPT's step the wire carries up to ~2% more than the ledger's payload
 FRAMING = 0.03
+# ... 240 bytes per message a rank sends (torch 2.13's gloo, measured 2026-12-06 at N = 2, 3, 4 for every option):
+# a ring collective sends N - 1 messages per rank, an all-to-all one to each peer
+GLOO_BYTES_PER_MESSAGE = 240
+INT8 = {"quantize_weights": "int8", "quantize_grads": "int8"}
+STEPS = 40
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +67,44 @@ def test_the_ledger_prices_the_wire_and_the_secondary_group(secondary_runs):
             assert expected <= sent <= expected * (1 + FRAMING), (pair, sent, expected)
 
 
+@pytest.fixture(scope="module")
+def quantized_runs(pools):
+    return {name: pools(2).run(communication_scenarios.step_on_the_wire, steps=STEPS, **options)
+            for name, options in (("fp32", {}), ("int8", INT8))}
+
+
+def _sent_per_rank(result: dict, world: int) -> float:
+    return sum(sum(phase.values()) for phase in result["sent"].values()) / world
+
+
+def _ledger_and_framing(result: dict, world: int) -> float:
+    """The ledger's bytes per rank and gloo's framing of the messages they travel in."""
+    return result["ledger_sent"] + GLOO_BYTES_PER_MESSAGE * (world - 1) * sum(result["calls"].values())
+
+
+def test_int8_weights_and_gradients_train_within_2_percent_of_fp32(quantized_runs):
+    for fp32_rank, int8_rank in zip(quantized_runs["fp32"], quantized_runs["int8"], strict=True):
+        fp32, int8 = fp32_rank["losses"], int8_rank["losses"]  # of this rank's part of each batch
+        assert fp32[-1] < 0.6 * fp32[0]  # the task's loss falls
+        assert abs(int8[-1] - fp32[-1]) <= 0.02 * fp32[-1], (int8[-1], fp32[-1])
+        assert int8 != fp32  # lossy: the packed collectives ran
+
+
+def test_int8_weights_and_gradients_send_under_a_third_of_fp32s_bytes(quantized_runs):
+    fp32, int8 = (_sent_per_rank(quantized_runs[name][0], 2) for name in ("fp32", "int8"))
+    assert int8 <= 0.30 * fp32, int8 / fp32
+    for name in ("fp32", "int8"):
+        result = quantized_runs[name][0]
+        assert _sent_per_rank(result, 2) == pytest.approx(_ledger_and_framing(result, 2), rel=0.01)
+
+
+@pytest.mark.parametrize("world, options", [(3, INT8), (2, {"quantize_weights": "fp8", "quantize_grads": "bf16"})])
+def test_the_ledger_prices_each_packed_collective_as_the_wire_carries_it(pools, world, options):
+    # the graphs run op by op (compiler="eager"): the same collectives as Inductor's code (the 40-step runs), quicker
+    result = pools(world).run(communication_scenarios.step_on_the_wire, compiler="eager", **options)[0]
+    assert _sent_per_rank(result, world) == pytest.approx(_ledger_and_framing(result, world), rel=0.01)
+
+
 def _prepare_chain(world: int, stage: int = 3, **options):
     with fake_process_group(world):
         backend = fxshard.backend(stage=stage, compiler="eager", **options)
@@ -81,6 +124,24 @@ def test_a_group_of_one_or_of_every_rank_is_false_or_true(k, means):
 def test_a_secondary_group_that_cannot_be_made_is_refused(options, message):
     with pytest.raises(FxShardError, match=message):
         _prepare_chain(WORLD, **options)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"stage": 2, "quantize_weights": "int8"}, r"only stage 3 gathers weights \(this backend is stage 2\)"),
+    ({"stage": 1, "quantize_grads": "int8"}, r"which stages 2 and 3 run \(this backend is stage 1\)"),
+    ({"quantize_weights": "int4"}, r"quantize_weights must be None or one of \('bf16', 'int8', 'fp8'\)"),
+    ({"quantize_grads": "fp8"}, r"quantize_grads must be None or one of \('bf16', 'int8'\)"),
+    ({"quantize_block": 0}, "quantize_block must be a positive int"),
+])
+def test_a_quantization_the_stage_or_torch_cannot_do_is_refused(options, message):
+    with pytest.raises(FxShardError, match=message):
+        fxshard.backend(**{"stage": 3, **options})
+
+
+def test_fp8_where_torch_has_no_float8_is_refused(monkeypatch):
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(FxShardError, match=r'needs torch.float8_e4m3fn, which torch .* lacks: use "int8"'):
+        fxshard.backend(stage=3, quantize_weights="fp8")
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, "2"])
