@@ -5,7 +5,7 @@
                              [--param-bytes 2 --grad-bytes 2 --master-bytes 4 --state-bytes 4] [--unit-params U]
                              [--format json]
     python -m fxshard report script.py [script arguments...] [--format json]
-    python -m fxshard simulate script.py [script arguments...] --trace OUT.json [--world N]
+    python -m fxshard simulate script.py [script arguments...] [--trace OUT.json] [--world N] [--options [--node K]]
 
 ``budget`` prints the memory per rank and the bytes sent per step of a model of ``--params`` elements without
 running it: it compiles a small stand-in (bias-free linear layers whose backward reads every weight, the ZeRO paper's
@@ -27,7 +27,9 @@ traces on fake tensors).
 its backend compiled as a Chrome trace-event JSON (``backend.trace``: a compute and a communication lane, an event
 per node), to open at ui.perfetto.dev; ``--world N`` predicts for N ranks instead of those the script sharded the
 parameters over. Under torchrun rank 0 writes it; a script that prepares several backends gets one file per backend
-(OUT-0.json, OUT-1.json, ...).
+(OUT-0.json, OUT-1.json, ...). ``--options`` prints the step predicted under each communication option
+(``fxshard.simulate.what_if``: quantized gathers and reductions, secondary shards over nodes of ``--node`` ranks) by
+world size and inter-node link, and the least world where each is predicted to pay.
 """
 
 from __future__ import annotations
@@ -277,20 +279,35 @@ def _report(args, script_args: list[str]) -> int:
 def _simulate(args, script_args: list[str]) -> int:
     """Run the script here and write the simulated step of each backend it prepared as a Chrome trace."""
     _check_world(args.world)  # before the script runs, which may take long
+    if args.trace is None and not args.options:
+        raise FxShardError("simulate needs --trace OUT.json (the simulated step for Perfetto), --options (where each "
+                           "communication option pays), or both")
     backends = _run_script(args.script, script_args, "simulate")
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank ran the script: rank 0 writes
         return 0
-    trace = pathlib.Path(args.trace)
     for index, backend in enumerate(backends):
         if not backend.graphs:
             raise FxShardError(f"{args.script}'s backend (stage {backend.stage}) compiled no graph: run a step "
                                "through torch.compile(model, backend=backend) first")
+        if args.options:
+            from fxshard.simulate.simulator import default_machine
+            from fxshard.simulate.what_if import options_table
+
+            machine = backend.machine or default_machine("cpu" if backend.model is None else
+                                                         next(backend.model.parameters()).device.type)
+            print(f"{args.script}: stage {backend.stage}, the step's graphs under each communication option "
+                  f"(machine: {'calibrated' if backend.machine else 'default for the device'})")
+            print(options_table(backend, machine, node=args.node))
+        if args.trace is None:
+            continue
+        trace = pathlib.Path(args.trace)
         path = trace if len(backends) == 1 else trace.with_name(f"{trace.stem}-{index}{trace.suffix}")
         timeline = backend.trace(path, world=args.world)
         print(f"{path}: stage {backend.stage} at {timeline.world} ranks, step {timeline.step_time * 1e3:.3f} ms "
               f"(compute {timeline.compute_time * 1e3:.3f} ms, communication {timeline.comm_time * 1e3:.3f} ms, "
               f"{timeline.exposed_comm * 1e3:.3f} ms of it exposed)")
-    print("open the simulated steps at ui.perfetto.dev")
+    if args.trace is not None:
+        print("open the simulated steps at ui.perfetto.dev")
     return 0
 
 
@@ -321,7 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("script")
     simulate = commands.add_parser("simulate", help="run a training script and write its simulated step as a "
                                    "Chrome trace (Perfetto)")
-    simulate.add_argument("--trace", required=True, metavar="OUT.json", help="the trace-event JSON to write")
+    simulate.add_argument("--trace", metavar="OUT.json", help="the trace-event JSON to write")
+    simulate.add_argument("--options", action="store_true", help="print where each communication option "
+                          "(quantize_weights, quantize_grads, reshard_after_forward=k) is predicted to pay, by world "
+                          "size and inter-node link (docs/communication.md)")
+    simulate.add_argument("--node", type=int, default=8, help="ranks per node for --options (8)")
     simulate.add_argument("--world", type=int, help="ranks to predict for (default: those the script sharded "
                           "the parameters over)")
     simulate.add_argument("script")

@@ -3,15 +3,13 @@ sends on the wire, counted by the kernel, beside the ledger; training against pl
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 import fxshard
 import scenarios
 from fxshard import budget
-from fxshard.report.wire import sent_between, tcp_sockets
+from fxshard.report.wire import sent_during
 from examples.models import GPTConfig, pattern_batch
 from fxshard.testing import rank_and_world
 from fxshard.torch_compat import c10d_functional, resolve_group
@@ -38,20 +36,6 @@ def _phases_of_a_step(run, opt, generator):
     return {"forward": forward, "backward": lambda: state["loss"].backward(), "step": step}, state
 
 
-def _sent_during(work, pids) -> dict:
-    """{(sender, receiver): bytes} every pair of ranks sent while every rank ran ``work``, counted on rank 0; no
-    rank starts ``work`` before rank 0 has counted, nor goes on before it has counted again (the barriers' own
-    bytes are in it)."""
-    counted = []
-    for _ in range(2):
-        dist.barrier()
-        counted.append(tcp_sockets() if dist.get_rank() == 0 else None)
-        dist.barrier()
-        if len(counted) == 1:
-            work()
-    return sent_between(*counted, pids) if dist.get_rank() == 0 else {}
-
-
 def step_on_the_wire(steps: int = WARM_STEPS + 1, **options) -> dict:
     """Stage 3 AdamW on the GPT learning ``pattern_batch``'s rule, under ``options``, for ``steps`` steps (at least
     ``WARM_STEPS`` + 1): the losses,
@@ -63,9 +47,6 @@ def step_on_the_wire(steps: int = WARM_STEPS + 1, **options) -> dict:
     backend = fxshard.backend(stage=3, **options)
     model, opt = backend.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
     run = torch.compile(model, backend=backend, fullgraph=True)
-    pids: list = [None] * dist.get_world_size()
-    dist.all_gather_object(pids, os.getpid())
-    barriers = _sent_during(lambda: None, pids)
     generator = torch.Generator().manual_seed(1)
     losses, sent = [], {}
     for index in range(steps):
@@ -74,8 +55,7 @@ def step_on_the_wire(steps: int = WARM_STEPS + 1, **options) -> dict:
             if index < steps - 1:
                 work()
                 continue
-            pairs = _sent_during(work, pids)
-            sent[name] = {pair: pairs[pair] - barriers.get(pair, 0) for pair in pairs}
+            sent[name] = sent_during(work)
         losses.append(state["loss"].item())
     ledger = budget.ledger(backend)
     by_group = {str(g): ledger.at(ledger.communicated(moved=True, ranks=g))

@@ -24,7 +24,8 @@ STEPS = 40
 
 @pytest.fixture(scope="module")
 def secondary_runs(pools):
-    return {k: pools(WORLD).run(communication_scenarios.step_on_the_wire, **options)
+    # op by op (compiler="eager"): the partitioned graphs are the same that Inductor compiles, quicker to run on 4 ranks
+    return {k: pools(WORLD).run(communication_scenarios.step_on_the_wire, compiler="eager", **options)
             for k, options in (("plain", {}), (NODE, {"reshard_after_forward": NODE}))}
 
 
@@ -140,7 +141,7 @@ def test_a_quantization_the_stage_or_torch_cannot_do_is_refused(options, message
 
 def test_fp8_where_torch_has_no_float8_is_refused(monkeypatch):
     monkeypatch.delattr(torch, "float8_e4m3fn")
-    with pytest.raises(FxShardError, match=r'needs torch.float8_e4m3fn, which torch .* lacks: use "int8"'):
+    with pytest.raises(FxShardError, match=r'needs torch.float8_e4m3fn, which this torch lacks: use "int8"'):
         fxshard.backend(stage=3, quantize_weights="fp8")
 
 

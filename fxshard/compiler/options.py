@@ -45,8 +45,8 @@ def checked_knobs(knobs: dict) -> dict:
         if value is not None and value not in schemes:
             raise FxShardError(f"{name} must be None or one of {schemes}, got {value!r}")
     if knobs.get("quantize_weights") == "fp8" and not hasattr(torch, "float8_e4m3fn"):
-        raise FxShardError(f'quantize_weights="fp8" needs torch.float8_e4m3fn, which torch {torch.__version__} lacks: '
-                           'use "int8" (the same bytes on the wire)')
+        raise FxShardError('quantize_weights="fp8" needs torch.float8_e4m3fn, which this torch lacks: use "int8" (the '
+                           'same bytes on the wire)')
     block = knobs.get("quantize_block", 1)
     if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
         raise FxShardError(f"quantize_block must be a positive int (elements per scale), got {block!r}")

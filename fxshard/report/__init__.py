@@ -2,6 +2,7 @@
 
 - ``tables``: the collectives of each rewritten graph and the step's ledger beside what a run measured;
 - ``measure``: ``CollectiveCounter``, the collectives a step really ran, by kind and size;
+- ``wire``: the bytes ranks sent each other as the kernel counts them (``sent_during``), outside torch;
 - ``trace``: every pass's graphs in ``TORCH_LOGS="fxshard"`` and ``TORCH_TRACE`` (tlparse);
 - ``chrome_trace``: a simulated step as a Chrome trace-event file for Perfetto.
 

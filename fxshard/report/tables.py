@@ -10,6 +10,7 @@ import sympy
 from tabulate import tabulate
 
 from fxshard import budget
+from fxshard.budget.communication_options import option_rows
 from fxshard.budget.formula import SumNames, describe
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES
@@ -117,7 +118,8 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
         return json.dumps({"title": title, "sizes": sizes, "parameters": {n: ledger.values[s] for n, s in
                                                                           ledger.params.items()},
                            "sums": dict(zip(map(str, sums.definitions.values()), map(sorted, sums.definitions))),
-                           "ledger": rows, "schedule": ledger.schedule}, indent=2, default=str)
+                           "ledger": rows, "options": option_rows(ledger), "schedule": ledger.schedule}, indent=2,
+                          default=str)
     parts = [title or "fxshard ledger",
              f"N={ledger.values[budget.N]}, "
              + "".join(f"{g}={ledger.values[g]}, " for g in (budget.R, budget.T, budget.K) if g in ledger.values)
@@ -144,6 +146,11 @@ def ledger_report(ledger: budget.Ledger, *, format: str = "text", measured=None,
     for largest_unit in ledger.select("prepare", "largest unit"):
         parts.append(f"U: the elements of the largest unit prepare materialised whole ({largest_unit.source})")
     parts.extend(sums.legend())
+    options = option_rows(ledger)
+    if options:
+        parts.append("\nwhat a communication option would send per step (a rank, ring; payload, docs/communication.md)")
+        parts.append(tabulate([[o["option"], f"{o['sent']:,.0f}", f"{o['of_now']:.2f}x"] for o in options],
+                              headers=["option", "bytes sent", "of now"]))
     if ledger.schedule:
         parts.append("\ncollective schedule (graph order)")
         every = list(ledger.params)

@@ -1,17 +1,15 @@
 """Bytes on the wire as the kernel counts them: each TCP socket's ``bytes_sent`` (``ss -tinp``), summed by the pair
-of processes it connects. It checks the ledger from outside fxshard and torch: gloo's own framing and any traffic a
-profiler cannot see are in it.
+of processes it connects. It checks the ledger from outside fxshard and torch: gloo's own framing (240 bytes per
+message on torch 2.13) and any traffic a profiler cannot see are in it.
 
-    pids = [p for p in all ranks' os.getpid()]          # e.g. dist.all_gather_object
-    before = sent_by_pair(pids)
-    ... every rank runs one step ...
-    sent = sent_between(before, sent_by_pair(pids))    # {(sender rank, receiver rank): bytes}
+    sent = sent_during(step)      # every rank calls it; on rank 0 {(sender rank, receiver rank): bytes}
 
-Linux only (``ss`` from iproute2); it sees the sockets of processes this user may inspect.
+Linux only (``ss`` from iproute2), ranks on one machine (rank 0 reads every rank's sockets).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -56,3 +54,27 @@ def sent_between(before: Sockets, after: Sockets, pids: Sequence[int]) -> dict[t
         already = before.get((local, peer), (pid, 0))[1]
         sent[(index[pid], index[receiver])] += total - already
     return dict(sent)
+
+
+def sent_during(work) -> dict[tuple[int, int], int]:
+    """{(sender rank, receiver rank): bytes} the ranks sent each other while every rank ran ``work()``, counted by
+    rank 0 (the others get {}): a collective, every rank calls it. No rank starts ``work`` before rank 0 has
+    counted, nor goes on before it has counted again; what the barriers that ensure it send is counted around an
+    empty ``work`` and taken off."""
+    import torch.distributed as dist
+
+    pids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+
+    def counted(task) -> dict:
+        snapshots = []
+        for _ in range(2):
+            dist.barrier()
+            snapshots.append(tcp_sockets() if dist.get_rank() == 0 else None)
+            dist.barrier()
+            if len(snapshots) == 1:
+                task()
+        return sent_between(*snapshots, pids) if dist.get_rank() == 0 else {}
+
+    barriers = counted(lambda: None)
+    return {pair: sent - barriers.get(pair, 0) for pair, sent in counted(work).items()}

@@ -34,6 +34,7 @@ from fxshard.budget.symbols import N
 from fxshard.errors import FxShardError
 from fxshard.passes.cost_model import node_flops, tensor_bytes
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES, replica_ranks
+from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK
 from fxshard.torch_compat import c10d_functional
 
 WAIT = c10d_functional.wait_tensor.default
@@ -64,6 +65,11 @@ class Machine:
     None: ``bandwidth``."""
     replicate_latency: float | None = None
     """Seconds per ring hop across the replica groups of a hybrid mesh; None: ``latency``."""
+    node_bandwidth: float | None = None
+    """Bytes/s per rank inside a node: what the re-gathers from secondary shards (``reshard_after_forward=k``) run
+    on, k ranks of one node; None: ``bandwidth``."""
+    node_latency: float | None = None
+    """Seconds per ring hop inside a node; None: ``latency``."""
 
     def across_replicas(self) -> Machine:
         """This machine with the inter-group network as its ring: what a collective across the replicas of a hybrid
@@ -71,6 +77,12 @@ class Machine:
         return dataclasses.replace(
             self, bandwidth=self.bandwidth if self.replicate_bandwidth is None else self.replicate_bandwidth,
             latency=self.latency if self.replicate_latency is None else self.replicate_latency)
+
+    def inside_node(self) -> Machine:
+        """This machine with a node's own link as its ring: what a re-gather from secondary shards runs on."""
+        return dataclasses.replace(
+            self, bandwidth=self.bandwidth if self.node_bandwidth is None else self.node_bandwidth,
+            latency=self.latency if self.node_latency is None else self.node_latency)
 
 
 GLOO_ON_CPU = Machine(flops_per_s=8.5e10, memory_bandwidth=3.9e10, bandwidth=6e8, latency=0.0,
@@ -82,6 +94,39 @@ NCCL_ON_GPU = Machine(flops_per_s=5e13, memory_bandwidth=2e12, bandwidth=5e10, l
                       collective_overhead=2e-5)
 """NCCL between GPUs of one node: stated (a ring of ~50 GB/s per rank, ~20 µs to launch a collective), not
 calibrated; ``calibrate`` on your own cluster for figures to trust."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WhatIf:
+    """Communication options priced on graphs compiled without them (``simulate(..., what_if=...)``): the weights'
+    gathers of forward and backward packed as ``quantize_weights``, the gradients' reductions as
+    ``quantize_grads`` (bytes: ``passes.quantize``'s layout; the packing and unpacking each a pass over the buffer
+    on the compute stream), backward's gathers over ``secondary`` ranks of a node (``reshard_after_forward=k``).
+    Collectives already packed or over another group keep their cost."""
+
+    quantize_weights: str | None = None
+    quantize_grads: str | None = None
+    quantize_block: int = DEFAULT_QUANTIZE_BLOCK
+    secondary: int | None = None
+
+    def describe(self) -> str:
+        parts = [f'{k}="{v}"' for k, v in (("quantize_weights", self.quantize_weights),
+                                           ("quantize_grads", self.quantize_grads)) if v]
+        if self.secondary:
+            parts.append(f"reshard_after_forward={self.secondary}")
+        return ", ".join(parts) or "as compiled"
+
+    def scheme_for(self, node: fx.Node, role: str) -> str | None:
+        meta = node.meta.get("fxshard", {})
+        if meta.get("quantized") or meta.get("across"):
+            return None
+        return {"all_gather": self.quantize_weights, "reduce_scatter": self.quantize_grads}.get(role)
+
+
+def packed_fraction(scheme: str, element_size: int, block: int) -> float:
+    """Bytes on the wire per byte of the buffer as it is, packed as ``scheme`` (``passes/quantize.py``)."""
+    wire = min(2, element_size) if scheme == "bf16" else 1 + 4 / block
+    return wire / element_size
 
 
 def default_machine(device_type: str) -> Machine:
@@ -166,25 +211,52 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
             and node.target is not WAIT]
 
 
-def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, start: float = 0.0):
+def _priced(node: fx.Node, role: str, name: str, world: int, machine: Machine, what_if: WhatIf | None
+            ) -> tuple[float, float]:
+    """(seconds on the communication stream, seconds of packing and unpacking on the compute stream) of a
+    collective, ``what_if``'s options applied."""
+    full = _full_bytes(node, role)
+    meta = node.meta.get("fxshard", {})
+    ranks, ring = _ring(replica_ranks(node), world, machine)
+    if meta.get("across") == "secondary":
+        ranks, ring = meta["ranks"], machine.inside_node()
+    if what_if is None:
+        return collective_seconds(role, full, ranks, ring), 0.0
+    if what_if.secondary and role == "all_gather" and "backward" in name and not meta.get("across"):
+        ranks, ring = what_if.secondary, machine.inside_node()
+    scheme = what_if.scheme_for(node, role)
+    if scheme is None:
+        return collective_seconds(role, full, ranks, ring), 0.0
+    element_size = (node.meta.get("val") if role == "all_gather" else node.args[0].meta.get("val")).element_size()
+    packing = 2 * full / machine.memory_bandwidth  # a pass to pack, one to unpack (fused into the ops around)
+    return collective_seconds(role, full * packed_fraction(scheme, element_size, what_if.quantize_block), ranks,
+                              ring), packing
+
+
+def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, start: float = 0.0,
+                   what_if: WhatIf | None = None):
     """Run one graph's nodes on the two streams; returns (end time, busy compute, busy comm, events)."""
     compute_at = comm_at = start
     busy_compute = busy_comm = 0.0
     done: dict[fx.Node, float] = {}
+    unpacking: dict[fx.Node, float] = {}
     events = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         role = collective_role(node)
         if role in COLLECTIVE_ROLES:
+            seconds, packing = _priced(node, role, name, world, machine, what_if)
+            compute_at += packing / 2  # packing is compute, before the collective can start
+            busy_compute += packing
+            unpacking[node] = packing / 2
             begin = max(compute_at, comm_at)
-            seconds = collective_seconds(role, _full_bytes(node, role), *_ring(replica_ranks(node), world, machine))
             comm_at = done[node] = begin + seconds
             busy_comm += seconds
             events.append(Event(name, node.name, "comm", begin, comm_at, _unit(node)))
         elif node.target is WAIT:
             issued = node.args[0]
-            compute_at = max(compute_at, done.get(issued, compute_at))
+            compute_at = max(compute_at, done.get(issued, compute_at)) + unpacking.get(issued, 0.0)
         else:
             seconds = compute_seconds(node, machine)
             events.append(Event(name, node.name, "compute", compute_at, compute_at + seconds, _unit(node)))
@@ -228,13 +300,14 @@ def graphs_of(source) -> tuple[list[tuple[str, fx.GraphModule]], list[tuple[str,
 
 
 def simulate(source, world: int, *, bandwidth: float | None = None, latency: float | None = None,
-             flops: float | None = None, machine: Machine | None = None) -> Timeline:
+             flops: float | None = None, machine: Machine | None = None, what_if: WhatIf | None = None) -> Timeline:
     """Predict one training step on ``world`` ranks from the rewritten graphs of ``source`` (a backend that ran
     a step, or GraphModules): ``bandwidth`` bytes/s per rank, ``latency`` seconds per ring hop, ``flops`` FLOP/s
     per rank override ``machine``'s (see :class:`Machine`, :func:`calibrate`). The step is the graphs in order,
     then the optimizer step's collectives, then ``machine.step_overhead``. On a hybrid mesh ``world`` is the shard
     group's size; the all-reduces across the replicas run over the mesh's replicas, on
-    ``machine.replicate_bandwidth`` and ``replicate_latency`` (where None, the ring's, overrides included)."""
+    ``machine.replicate_bandwidth`` and ``replicate_latency`` (where None, the ring's, overrides included).
+    ``what_if``: communication options priced on graphs compiled without them (:class:`WhatIf`)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise FxShardError(f"world must be a positive number of ranks, got {world!r}")
     machine = machine or Machine()
@@ -248,7 +321,7 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
     clock = compute = comm = 0.0
     events: list[Event] = []
     for name, gm in graphs:
-        clock, busy_compute, busy_comm, graph_events = simulate_graph(gm, name, world, machine, clock)
+        clock, busy_compute, busy_comm, graph_events = simulate_graph(gm, name, world, machine, clock, what_if)
         compute += busy_compute
         comm += busy_comm
         events += graph_events

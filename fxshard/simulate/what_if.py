@@ -1,0 +1,68 @@
+"""Where each communication option starts to pay: a step's graphs simulated under each option (``WhatIf``) at
+growing world sizes over a range of inter-node links, beside the step as compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fxshard.errors import FxShardError
+
+from .simulator import Machine, WhatIf, simulate
+
+WORLDS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+LINKS = (1.25e9, 1.25e10, 5e10)  # bytes/s per rank between nodes: 10, 100 and 400 Gb/s
+NODE_LINK = 1e11  # bytes/s per rank inside a node (NVLink-class)
+
+
+def options(node: int) -> dict[str, WhatIf]:
+    """The options compared, by the backend arguments that ask for them."""
+    return {
+        'quantize_weights="bf16"': WhatIf(quantize_weights="bf16"),
+        'quantize_weights="int8"': WhatIf(quantize_weights="int8"),
+        'quantize_grads="int8"': WhatIf(quantize_grads="int8"),
+        'quantize_weights="int8", quantize_grads="int8"': WhatIf(quantize_weights="int8", quantize_grads="int8"),
+        f"reshard_after_forward={node}": WhatIf(secondary=node),
+    }
+
+
+@dataclasses.dataclass
+class OptionRow:
+    option: str
+    step_s: dict[int, float]  # world -> predicted step
+    pays_from: int | None  # the least world where it is predicted faster than the step as compiled
+
+
+def compare_options(backend, machine: Machine, link: float, node: int = 8, node_link: float = NODE_LINK,
+                    worlds=WORLDS) -> list[OptionRow]:
+    """The step as compiled (first row) and under each option, predicted at each of ``worlds`` with ``link``
+    bytes/s per rank between nodes of ``node`` ranks and ``node_link`` inside one; secondary shards only where a
+    world spans more than one node."""
+    if node < 2:
+        raise FxShardError(f"node must be 2 or more ranks (the group secondary shards are re-gathered in), got {node}")
+    machine = dataclasses.replace(machine, bandwidth=link, node_bandwidth=node_link)
+    plain = {w: simulate(backend, w, machine=machine).step_time for w in worlds}
+    rows = [OptionRow("as compiled", plain, None)]
+    for name, what_if in options(node).items():
+        usable = [w for w in worlds if not what_if.secondary or (w > node and w % node == 0)]
+        steps = {w: simulate(backend, w, machine=machine, what_if=what_if).step_time for w in usable}
+        faster = [w for w in usable if steps[w] < plain[w] * 0.99]
+        rows.append(OptionRow(name, steps, min(faster) if faster else None))
+    return rows
+
+
+def options_table(backend, machine: Machine, links=LINKS, node: int = 8, node_link: float = NODE_LINK,
+                  worlds=WORLDS) -> str:
+    """``compare_options`` for each link, as text: predicted milliseconds per step by world size, and the least
+    world where each option is predicted faster than the step as compiled."""
+    from tabulate import tabulate
+
+    parts = []
+    for link in links:
+        rows = compare_options(backend, machine, link, node, node_link, worlds)
+        parts.append(f"\nbetween nodes {link / 1e9:g} GB/s per rank, inside a node of {node} ranks "
+                     f"{node_link / 1e9:g} GB/s: predicted step (ms)")
+        cells = [[r.option, *(f"{1e3 * r.step_s[w]:.1f}" if w in r.step_s else "" for w in worlds),
+                  "" if r.option == "as compiled" else (f"N={r.pays_from}" if r.pays_from else "never")]
+                 for r in rows]
+        parts.append(tabulate(cells, headers=["option", *(f"N={w}" for w in worlds), "pays from"]))
+    return "\n".join(parts)
