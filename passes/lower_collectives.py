@@ -43,7 +43,7 @@ from fxshard.torch_compat import c10d_functional
 
 from .context import PassContext
 from .fx_utils import COLLECTIVE_ROLES, fxshard_meta, marker_args, position, refresh_fake_values, unit_of
-from .quantize import QuantizedNodes, wire_elements
+from .quantize import QuantizedNodes, packing_saves, wire_elements
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -140,13 +140,13 @@ def _gathered(emit: _Emitter, shards: list[fx.Node], dtype: torch.dtype, world: 
     return emit("dequantize", aten.view.default, quantized.unpack(gathered, (world, chunk), dtype), [-1])
 
 
-def weight_quantizer(emit: _Emitter, ctx: PassContext, dtype: torch.dtype) -> QuantizedNodes | None:
-    """How a unit's shards are packed for the all-gather (``quantize_weights``); None where they travel as they
-    are, bf16 included when bf16 is what they are computed in anyway."""
-    scheme = ctx.quantize_weights
-    if scheme is None or (scheme == "bf16" and dtype == torch.bfloat16):
+def _quantizer(emit: _Emitter, scheme: str | None, block: int, elements: int, element_size: int
+               ) -> QuantizedNodes | None:
+    """How a row of ``elements`` values is packed for its collective; None where it travels as it is (no scheme,
+    or packing would not make it smaller: ``packing_saves``)."""
+    if scheme is None or not packing_saves(elements, element_size, scheme, block):
         return None
-    return QuantizedNodes(emit, scheme, ctx.quantize_block)
+    return QuantizedNodes(emit, scheme, block)
 
 
 def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
@@ -162,8 +162,10 @@ def _lower_gather(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassC
     with graph.inserting_before(anchor):
         dtype = markers[0].meta["val"].dtype  # the compute dtype: shards are cast before they travel
         regather = fxshard_meta(markers[0]).get("regather")
-        gathered = _gathered(emit, shards, dtype, world, group_name,
-                             None if regather else weight_quantizer(emit, ctx, dtype), regather)
+        # unpacked, the shards travel in the compute dtype: bf16 weights gain nothing from "bf16"
+        quantized = None if regather else _quantizer(emit, ctx.quantize_weights, ctx.quantize_block, sum(chunks),
+                                                     dtype.itemsize)
+        gathered = _gathered(emit, shards, dtype, world, group_name, quantized, regather)
         if len(shards) > 1:
             rows = emit("copy_out", aten.view.default, gathered, [world, sum(chunks)])
             split = emit("copy_out", aten.split_with_sizes.default, rows, chunks, 1)
@@ -271,7 +273,8 @@ def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassC
     if marker_args(markers[0])["grad_reduction"] == "all_reduce":
         lower = _lower_all_reduce
     else:
-        quantized = None if ctx.quantize_grads is None else QuantizedNodes(emit, ctx.quantize_grads, ctx.quantize_block)
+        row = sum(m.meta["val"].numel() for m in markers)  # this rank's part of each rank's gradient row
+        quantized = _quantizer(emit, ctx.quantize_grads, ctx.quantize_block, row, _reduce_dtype(markers[0]).itemsize)
         lower = functools.partial(_lower_reduce_scatter, by_all_to_all=ctx.reduce_scatter_by_all_to_all,
                                   quantized=quantized)
     with graph.inserting_before(markers[-1]):

@@ -9,7 +9,8 @@ Schemes (``SCHEMES``):
 - ``"fp8"``: blockwise float8_e4m3fn, ``s = max|x| / 448``; the same bytes as int8, relative error <= 2^-4 per
   element, and at most 2^-10 s for the smallest (|x| < 2^-6 s, float8's subnormals).
 
-A quantized buffer travels as ONE int8 tensor (values then their scales' bytes) so a collective moves it once: gloo
+A row is packed only where that makes it smaller (``packing_saves``): a unit much smaller than a block (a bias
+of a few elements per rank) travels as it is. A quantized buffer travels as ONE int8 tensor (values then their scales' bytes) so a collective moves it once: gloo
 takes no float8 and a second collective for the scales would pay its latency again. Every node here is plain ATen
 (``view.dtype`` is a bitcast), so Inductor fuses the packing into the producer and the unpacking into the consumer.
 """
@@ -40,6 +41,17 @@ def wire_elements(elements: int, scheme: str, block: int) -> int:
 
 def scales_per_row(elements: int, block: int) -> int:
     return -(-elements // block)
+
+
+def wire_bytes(elements: int, scheme: str, block: int) -> int:
+    """Bytes a row of ``elements`` values travels as, packed as ``scheme``."""
+    return wire_elements(elements, scheme, block) * (2 if scheme == "bf16" else 1)
+
+
+def packing_saves(elements: int, element_size: int, scheme: str, block: int) -> bool:
+    """Whether a row of ``elements`` values of ``element_size`` bytes is smaller packed: a row much shorter than a
+    block is not (its padding and scale outweigh it), nor bf16 values packed as bf16."""
+    return wire_bytes(elements, scheme, block) < elements * element_size
 
 
 class QuantizedNodes:

@@ -1,15 +1,15 @@
 """What each communication option would send per step, priced on a ledger of the step as it ran: the compiled
 graphs' weight gathers at ``quantize_weights``' wire width, their gradient reductions at ``quantize_grads``', the
-blockwise schemes' fp32 scales added (``passes/quantize.py``). A collective already packed, or of another group
+blockwise schemes' padding and fp32 scales added, where packing makes a row smaller (``passes/quantize.py``). A collective already packed, or of another group
 (replicas, tp, secondary shards), keeps its bytes."""
 
 from __future__ import annotations
 
-import sympy
+import math
 
-from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK
+from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_saves, wire_bytes
 
-from .symbols import N, Q_GRAD, Q_PARAM, Ledger, Term, ring_factor
+from .symbols import N, Q_GRAD, Q_PARAM, Ledger, Term
 
 
 def _in_graphs(term: Term, kind: str) -> bool:
@@ -17,25 +17,30 @@ def _in_graphs(term: Term, kind: str) -> bool:
     return term.item == kind and term.ranks == N and any(f"{g}: " in term.source for g in ("forward", "backward"))
 
 
-def _packed(term: Term, scheme: str, block: int) -> sympy.Expr:
-    """Bytes a ring sends for ``term`` packed as ``scheme``: values at its wire width, plus blockwise scales."""
-    width = sympy.Min(term.width, 2) if scheme == "bf16" else 1 + sympy.Rational(4, block)
-    return term.elements * width * ring_factor(term.item, term.ranks)
+def _packed(ledger: Ledger, term: Term, scheme: str, block: int) -> float:
+    """Bytes a ring sends for ``term`` packed as ``scheme`` (a gather packs one row, this rank's shards; a reduction
+    N rows), where packing makes it smaller (``passes.quantize.packing_saves``)."""
+    elements, width = ledger.at(term.elements), ledger.at(term.width)
+    rows = 1 if term.item == "all_gather" else ledger.at(N)
+    row = math.ceil(elements / rows)
+    sent = ledger.at(term.moved)
+    if not packing_saves(row, width, scheme, block):
+        return sent
+    return sent * rows * wire_bytes(row, scheme, block) / (elements * width)
 
 
-def sent_with(ledger: Ledger, weights: str | None, grads: str | None, block: int = DEFAULT_QUANTIZE_BLOCK
-              ) -> sympy.Expr:
+def sent_with(ledger: Ledger, weights: str | None, grads: str | None, block: int = DEFAULT_QUANTIZE_BLOCK) -> float:
     """Bytes per rank and step a ring sends if the step's gathers were packed as ``weights`` and its reductions as
     ``grads`` (None: as they ran)."""
-    total = []
+    total = 0.0
     for term in ledger.select("comm"):
         if weights and term.width != Q_PARAM and _in_graphs(term, "all_gather"):
-            total.append(_packed(term, weights, block))
+            total += _packed(ledger, term, weights, block)
         elif grads and term.width != Q_GRAD and _in_graphs(term, "reduce_scatter"):
-            total.append(_packed(term, grads, block))
+            total += _packed(ledger, term, grads, block)
         else:
-            total.append(term.moved)
-    return sympy.Add(*total)
+            total += ledger.at(term.moved)
+    return total
 
 
 OPTIONS = {  # name -> (quantize_weights, quantize_grads)
@@ -52,7 +57,7 @@ def option_rows(ledger: Ledger) -> list[dict]:
     now = ledger.at(ledger.communicated(moved=True))
     rows = []
     for name, (weights, grads) in OPTIONS.items():
-        sent = ledger.at(sent_with(ledger, weights, grads))
+        sent = sent_with(ledger, weights, grads)
         if sent < now:
             rows.append({"option": name, "sent": sent, "of_now": sent / now})
     return rows

@@ -33,8 +33,8 @@ from torch import fx
 from fxshard.budget.symbols import N
 from fxshard.errors import FxShardError
 from fxshard.passes.cost_model import node_flops, tensor_bytes
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES, replica_ranks
-from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES, replica_ranks, size_hint
+from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_saves, wire_bytes
 from fxshard.torch_compat import c10d_functional
 
 WAIT = c10d_functional.wait_tensor.default
@@ -123,10 +123,13 @@ class WhatIf:
         return {"all_gather": self.quantize_weights, "reduce_scatter": self.quantize_grads}.get(role)
 
 
-def packed_fraction(scheme: str, element_size: int, block: int) -> float:
-    """Bytes on the wire per byte of the buffer as it is, packed as ``scheme`` (``passes/quantize.py``)."""
-    wire = min(2, element_size) if scheme == "bf16" else 1 + 4 / block
-    return wire / element_size
+def packed_bytes(full_elements: int, element_size: int, role: str, world: int, scheme: str, block: int) -> float:
+    """Bytes of a collective's full buffer packed as ``scheme`` (``passes/quantize.py``: a row per rank), or as it is
+    where packing would not make a row smaller."""
+    row = -(-full_elements // world)
+    if not packing_saves(row, element_size, scheme, block):
+        return full_elements * element_size
+    return world * wire_bytes(row, scheme, block)
 
 
 def default_machine(device_type: str) -> Machine:
@@ -227,10 +230,11 @@ def _priced(node: fx.Node, role: str, name: str, world: int, machine: Machine, w
     scheme = what_if.scheme_for(node, role)
     if scheme is None:
         return collective_seconds(role, full, ranks, ring), 0.0
-    element_size = (node.meta.get("val") if role == "all_gather" else node.args[0].meta.get("val")).element_size()
-    packing = 2 * full / machine.memory_bandwidth  # a pass to pack, one to unpack (fused into the ops around)
-    return collective_seconds(role, full * packed_fraction(scheme, element_size, what_if.quantize_block), ranks,
-                              ring), packing
+    value = node.meta.get("val") if role == "all_gather" else node.args[0].meta.get("val")
+    packed = packed_bytes(size_hint(value.numel()), value.element_size(), role, ranks, scheme,
+                          what_if.quantize_block)
+    packing = 2 * full / machine.memory_bandwidth if packed < full else 0.0  # a pass to pack, one to unpack
+    return collective_seconds(role, packed, ranks, ring), packing
 
 
 def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, start: float = 0.0,

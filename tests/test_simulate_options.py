@@ -1,0 +1,62 @@
+"""fxshard.simulate prices the communication options: on graphs compiled without them (``WhatIf``) as on graphs
+compiled with them, and ``python -m fxshard simulate --options`` says where each pays."""
+
+import pytest
+
+import scenarios
+from fxshard.simulate import Machine, simulate
+from fxshard.simulate.simulator import WhatIf
+from fxshard.simulate.what_if import compare_options, options_table
+
+# bytes only: no latency, no per-collective or per-node cost, so a collective's time is its bytes / bandwidth
+BYTES_ONLY = Machine(flops_per_s=1e30, memory_bandwidth=1e30, bandwidth=1e3, latency=0.0)
+WORLD = 4
+BLOCK = 8  # the Chain's shards are a few dozen elements: blocks of 256 would not make them smaller
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    options = {"plain": {}, "int8": {"quantize_weights": "int8", "quantize_grads": "int8", "quantize_block": BLOCK},
+               "secondary": {"reshard_after_forward": 2}}
+    return {name: scenarios.compiled_model("chain", 3, world=WORLD, bucket="layer", **o) for name, o in options.items()}
+
+
+def test_priced_on_plain_graphs_an_option_costs_what_the_graphs_compiled_with_it_cost(compiled):
+    what_if = simulate(compiled["plain"], WORLD, machine=BYTES_ONLY,
+                       what_if=WhatIf(quantize_weights="int8", quantize_grads="int8", quantize_block=BLOCK))
+    real = simulate(compiled["int8"], WORLD, machine=BYTES_ONLY)
+    assert what_if.comm_time == pytest.approx(real.comm_time, rel=1e-9)
+    plain = simulate(compiled["plain"], WORLD, machine=BYTES_ONLY)
+    assert real.comm_time < 0.6 * plain.comm_time  # a row of a few dozen elements carries a scale per 8
+
+
+def test_secondary_shards_move_backwards_gathers_to_the_node_link(compiled):
+    free_node = Machine(flops_per_s=1e30, memory_bandwidth=1e30, bandwidth=1e3, latency=0.0, node_bandwidth=1e30)
+    plain = simulate(compiled["plain"], WORLD, machine=free_node)
+    what_if = simulate(compiled["plain"], WORLD, machine=free_node, what_if=WhatIf(secondary=2))
+    real = simulate(compiled["secondary"], WORLD, machine=free_node)
+    assert what_if.comm_time == pytest.approx(real.comm_time, rel=1e-6)
+    gathers = [e for e in plain.events if e.stream == "comm" and e.node.startswith("all_gather")]
+    backward_gathers = sum(e.end - e.start for e in gathers if "backward" in e.graph)
+    assert backward_gathers > 0
+    assert plain.comm_time - what_if.comm_time == pytest.approx(backward_gathers, rel=1e-6)
+
+
+def test_packing_is_charged_to_the_compute_stream(compiled):
+    slow_memory = Machine(flops_per_s=1e30, memory_bandwidth=1e6, bandwidth=1e30, latency=0.0)
+    plain = simulate(compiled["plain"], WORLD, machine=slow_memory)
+    packed = simulate(compiled["plain"], WORLD, machine=slow_memory,
+                      what_if=WhatIf(quantize_weights="int8", quantize_block=BLOCK))
+    assert packed.compute_time > plain.compute_time
+
+
+def test_options_pay_on_a_slow_link_and_the_table_says_from_where(compiled):
+    machine = Machine(flops_per_s=1e9, memory_bandwidth=1e10, bandwidth=1e9, latency=1e-6)
+    rows = {r.option: r for r in compare_options(compiled["plain"], machine, link=1e6, node=2, node_link=1e12,
+                                                 worlds=(2, 4, 8))}
+    assert rows['quantize_weights="int8", quantize_grads="int8"'].pays_from == 2
+    assert rows["reshard_after_forward=2"].pays_from == 4  # the first world of more than one node
+    assert set(rows["reshard_after_forward=2"].step_s) == {4, 8}
+    text = options_table(compiled["plain"], machine, links=(1e6,), node=2, node_link=1e12, worlds=(2, 4, 8))
+    assert "pays from" in text and "N=4" in text
+    assert max(map(len, text.splitlines())) <= 120
