@@ -14,6 +14,9 @@ piece ``ctx.secondary_rank`` is kept (``clone``, tagged ``MUST_SAVE``, recorded 
 recorded ``regather=k``), and every backward use of the weight or of a view of it reads that marker (through copies
 of the views, also ``MUST_RECOMPUTE``). Forward keeps its own gather; the values are the same bits.
 
+A weight forward reads inside activation checkpointing is the exception: the partitioner recomputes that read in
+backward from the weight itself, so it is tagged as under ``True`` (re-gathered from the primary shards).
+
 Markers that read a full tensor (stages 0 and 2) and other graphs are left unchanged.
 """
 
@@ -83,12 +86,24 @@ def _secondary_shard(graph: fx.Graph, marker: fx.Node, k: int, rank: int) -> fx.
     return secondary
 
 
+def _checkpointed_use(views: list[fx.Node], backward: set[fx.Node]) -> bool:
+    """Whether forward reads the weight inside activation checkpointing (``ac_graph_id``): the partitioner runs that
+    read again in backward, from the weight itself."""
+    return any(user.meta.get("ac_graph_id") is not None for view in views for user in view.users
+               if user not in backward and user not in views)
+
+
 def _regather_from_secondary(graph: fx.Graph, marker: fx.Node, backward: set[fx.Node], ctx: PassContext) -> bool:
     """Route every backward use of ``marker``'s weight (and its views) to a re-gather of a secondary shard over
-    ``ctx.secondary_group_name``; False where backward reads none of it."""
+    ``ctx.secondary_group_name``; False where backward reads none of it. A weight read under activation
+    checkpointing is re-gathered from the primary shards instead (as ``reshard_after_forward=True``), recorded."""
     views = _views_of(marker)
     crossing = [(view, user) for view in views for user in list(view.users) if user in backward]
     if not crossing:
+        return False
+    if _checkpointed_use(views, backward):
+        for node in views:
+            _tag_recompute(node, "regather in backward (read under activation checkpointing: from the primary shards)")
         return False
     k = ctx.reshard_after_forward
     secondary = _secondary_shard(graph, marker, k, ctx.secondary_rank)

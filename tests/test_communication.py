@@ -149,3 +149,23 @@ def test_fp8_where_torch_has_no_float8_is_refused(monkeypatch):
 def test_reshard_after_forward_takes_a_bool_or_a_positive_int(value):
     with pytest.raises(FxShardError, match="reshard_after_forward must be True, False or an int k >= 1"):
         fxshard.backend(stage=3, reshard_after_forward=value)
+
+
+def test_weights_read_under_activation_checkpointing_are_regathered_from_the_primary_shards():
+    # the partitioner recomputes a checkpointed block's forward in backward from the weight itself: its weights are
+    # re-gathered as under reshard_after_forward=True, the rest from secondary shards; no full weight is saved
+    saved, gathers = {}, {}
+    for reshard in (True, NODE):
+        backend = scenarios.compiled_model("gpt_checkpointed", 3, world=WORLD, reshard_after_forward=reshard,
+                                           bucket="layer")
+        graphs = {r.kind: r.final for r in backend.graphs}
+        outputs = next(iter(graphs["forward"].graph.find_nodes(op="output"))).args[0]
+        saved[reshard] = {n.name: tuple(n.meta["val"].shape) for n in outputs
+                          if isinstance(n, torch.fx.Node) and n.op != "placeholder"}
+        gathers[reshard] = [n.name for n in graphs["backward"].graph.nodes if n.name.startswith("all_gather")]
+    secondary = {name for name in saved[NODE] if name.endswith("_secondary")}
+    assert secondary == {"ln_f_weight_secondary", "ln_f_bias_secondary", "lm_head_weight_secondary"}
+    assert sorted(shape for name, shape in saved[NODE].items() if name not in secondary) == sorted(saved[True].values())
+    assert any(g.startswith("all_gather_blocks_") for g in gathers[NODE])
+    assert {g for g in gathers[NODE] if "secondary" in g} == {"all_gather_secondary_ln_f",
+                                                             "all_gather_secondary_lm_head"}
