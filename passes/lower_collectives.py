@@ -11,12 +11,20 @@ chose for the stage), not from the stage itself:
 - the other ``unshard`` markers (stage 3) of one unit and dtype become: shards -> ``cat`` (when several) ->
   ``all_gather_into_tensor`` -> ``wait_tensor`` -> per parameter ``split_with_sizes`` / ``clone`` / ``slice``
   (drops padding) / ``view`` to the full shape (the node named after the parameter), placed where the unit's
-  first marker was; a shard read twice in a unit is gathered once;
+  first marker was; a shard read twice in a unit is gathered once; with ``ctx.quantize_weights`` the flat shards
+  are packed first (``passes/quantize.py``: one int8 buffer of values and fp32 block scales, nodes of role
+  ``quantize``) and the gathered rows unpacked into the compute dtype (role ``dequantize``), the collective
+  recording ``quantized``, ``block`` and ``row``; a row is packed only where that makes it smaller
+  (``packing_saves``); a marker ``recompute_gathers`` tagged ``regather=k`` (``reshard_after_forward=k``) reads a
+  secondary shard and gathers it over its group of k ranks (``all_gather_secondary_<unit>``, recording
+  ``across="secondary"`` and ``ranks=k``), never packed: its bytes stay inside a node;
 - ``reduce_grad`` markers of one unit, dtype and reduction become one collective placed where the unit's last
   marker was: ``reduce_scatter``: per gradient flat ``view`` -> ``constant_pad_nd`` -> ``view [world, chunk]`` ->
   ``cat`` on dim 1 -> ``reduce_scatter_tensor(avg)`` -> ``wait_tensor`` (with ``ctx.reduce_scatter_by_all_to_all``,
   on gloo: ``all_to_all_single`` -> ``wait_tensor`` -> ``view [world, chunk]`` -> ``sum`` on dim 0 -> ``div`` by the
-  world size, twice as fast as gloo's own reduce-scatter, which all-reduces the whole buffer) -> (hybrid sharding,
+  world size, twice as fast as gloo's own reduce-scatter, which all-reduces the whole buffer; with
+  ``ctx.quantize_grads``, on any backend: the ``[world, chunk]`` rows packed -> ``all_to_all_single`` -> unpacked
+  to fp32 -> ``sum`` -> ``div``, cast back to the reduce dtype) -> (hybrid sharding,
   where the markers name a replicate group: ``all_reduce(avg)`` of the shard over it, named
   ``all_reduce_replicas_<unit>`` and recording ``across="replicate"`` and ``ranks``, -> ``wait_tensor``) ->
   ``split_with_sizes`` (nodes named ``<param>_grad``);

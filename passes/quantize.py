@@ -116,3 +116,32 @@ class QuantizedNodes:
         if blocks * self.block != elements:
             flat = emit("dequantize", aten.slice.Tensor, flat, 1, 0, elements)
         return emit("dequantize", prims.convert_element_type.default, flat, dtype)
+
+
+def packing_nodes(scheme: str, block: int, rows: int, elements: int, received_rows: int, dtype: torch.dtype,
+                  unpacked_dtype: torch.dtype) -> list[fx.Node]:
+    """The nodes that pack ``rows`` x ``elements`` values of ``dtype`` and unpack ``received_rows`` such packed rows
+    into ``unpacked_dtype``, as ``lower_collectives`` emits them, on a graph of their own, each carrying
+    ``meta["val"]`` (a meta tensor) and its role (``quantize`` or ``dequantize``): what an option's packing costs a
+    graph compiled without it."""
+    graph = fx.Graph()
+
+    def emit(role, target, *args, name=None):
+        node = graph.call_function(target, args)
+        node.meta["val"] = target(*fx.node.map_arg(args, lambda arg: arg.meta["val"]))
+        node.meta["fxshard"] = {"role": role}
+        return node
+
+    def placeholder(name: str, value: torch.Tensor) -> fx.Node:
+        node = graph.placeholder(name)
+        node.meta["val"] = value
+        return node
+
+    quantized = QuantizedNodes(emit, scheme, block)
+    quantized.pack(placeholder("rows", torch.empty(rows, elements, dtype=dtype, device="meta")), (rows, elements))
+    wire_dtype = torch.bfloat16 if scheme == "bf16" else torch.int8
+    received = placeholder("received", torch.empty(received_rows * wire_elements(elements, scheme, block),
+                                                   dtype=wire_dtype, device="meta"))
+    quantized.unpack(received, (received_rows, elements), unpacked_dtype)
+    return [node for node in graph.nodes if node.op == "call_function"]
+

@@ -51,13 +51,32 @@ def test_ring_costs():
     assert collective_seconds("all_gather", 1e9, 4, machine) == pytest.approx(3e-5 + 0.75)
     assert collective_seconds("all_reduce", 1e9, 4, machine) == pytest.approx(2 * (3e-5 + 0.75))
     assert collective_seconds("reduce_scatter", 1e9, 1, machine) == 0.0
+    # an all-to-all sends the same bytes to every peer at once: one hop, on its own bandwidth where it has one
+    assert collective_seconds("all_to_all", 1e9, 4, machine) == pytest.approx(1e-5 + 0.75)
+    exchanging = dataclasses.replace(machine, all_to_all_bandwidth=2e9)
+    assert collective_seconds("all_to_all", 1e9, 4, exchanging) == pytest.approx(1e-5 + 0.375)
+    assert collective_seconds("all_gather", 1e9, 4, exchanging) == pytest.approx(3e-5 + 0.75)
 
 
 def test_stage_1_adds_the_optimizer_steps_collectives_unhidden():
     timeline = simulate(scenarios.compiled_model("chain", 1), 2, machine=SLOW_NET)
-    step_events = [e for e in timeline.events if e.graph == "optimizer step"]
+    step_events = [e for e in timeline.events if e.graph == "optimizer step" and e.stream == "comm"]
     assert {e.node for e in step_events} == {"all_gather", "reduce_scatter"}
     assert timeline.exposed_comm >= sum(e.end - e.start for e in step_events) - 1e-12
+
+
+def test_the_optimizers_update_writes_master_and_state_of_what_the_rank_updates():
+    one_byte_a_second = Machine(memory_bandwidth=1.0)
+
+    def update_bytes(stage: int, world: int) -> float:
+        timeline = simulate(scenarios.compiled_model("chain", stage), world, machine=one_byte_a_second)
+        return next(e.end - e.start for e in timeline.events if e.node == "update")
+
+    elements = sum(p.numel() for p in scenarios.Chain().parameters())
+    # AdamW in fp32: master and two states read and written (2 x 12 bytes), the gradient read (4)
+    assert update_bytes(0, 2) == pytest.approx(28 * elements)
+    assert update_bytes(3, 2) == pytest.approx(14 * elements, rel=0.05)  # the shard (padding aside)
+    assert update_bytes(3, 4) == pytest.approx(7 * elements, rel=0.05)
 
 
 def test_bad_input_says_what_to_do():

@@ -60,6 +60,23 @@ def fit_ring(full_bytes, gather_seconds, all_reduce_seconds, world: int) -> tupl
     return constants.get(0, 0.0), constants.get(1, 0.0), 1.0 / constants[2]
 
 
+def fit_all_to_all(full_bytes, seconds, world: int) -> float:
+    """Bandwidth (bytes/s per rank) of all-to-alls of full buffers of ``full_bytes`` that took ``seconds``: the
+    slope of the least-squares line through time against the (N-1)/N·B bytes each rank sends (its intercept is the
+    per-collective overhead and latency the ring's fit already has)."""
+    sent = torch.tensor([(world - 1) / world * float(b) for b in full_bytes], dtype=torch.float64)
+    times = torch.tensor([float(t) for t in seconds], dtype=torch.float64)
+    if len(set(sent.tolist())) < 2 or len(times) != len(sent):
+        raise FxShardError(f"fitting the all-to-all needs a timing at each of two or more distinct sizes, got sizes "
+                           f"{list(full_bytes)} and {len(times)} timing(s)")
+    design = torch.stack([torch.ones_like(sent), sent], dim=1)
+    slope = torch.linalg.lstsq(design, times[:, None]).solution[1, 0].item()
+    if slope <= 0:
+        raise FxShardError(f"all-to-all time does not grow with size (bytes: seconds "
+                           f"{dict(zip(full_bytes, seconds))}): calibrate with more repeats or a larger largest size")
+    return 1.0 / slope
+
+
 def fit_op_overhead(graphs, seconds: float, machine: Machine) -> float:
     """Seconds per compute node such that ``graphs`` (GraphModules) run without their collectives take
     ``seconds``: what the time left after the nodes' modelled work (FLOPs, bytes) costs per node; 0 when the
@@ -200,9 +217,10 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     """Measure this machine and process group; a collective: every rank calls it with the same arguments. Returns
     the same :class:`Machine` on every rank (times are averaged over the ranks before anything is fitted).
 
-    Always: matmul FLOP/s and copy bandwidth (best of ``repeats``), and the ring (:func:`fit_ring`: per-collective
+    Always: matmul FLOP/s and copy bandwidth (best of ``repeats``), the ring (:func:`fit_ring`: per-collective
     overhead, latency per hop, bandwidth) from functional all-gathers and all-reduces of full buffers of ``sizes``
-    bytes, each the median of ``repeats`` timed after a barrier.
+    bytes, and the all-to-all's bandwidth (:func:`fit_all_to_all`) from all-to-alls of the same buffers, each the
+    median of ``repeats`` timed after a barrier.
 
     With ``backend`` (one that ran a step) and ``step`` (a callable running one whole training step of it: forward,
     backward, optimizer step, zero_grad; called ``steps + 1`` times, so it trains), three fits, each on the one
@@ -231,10 +249,12 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     functional = c10d_functional
     shard_numels = [max(1, int(full_bytes) // 4 // world) for full_bytes in sizes]
     for numel in shard_numels:  # the graphs' own collectives: functional, then wait
-        shard, full = torch.randn(numel), torch.randn(numel * world)
+        shard, full, rows = torch.randn(numel), torch.randn(numel * world), [numel] * world
         measured += _interleaved_medians(
             [lambda: functional.wait_tensor(functional.all_gather_into_tensor(shard, world, group_name)),
-             lambda: functional.wait_tensor(functional.all_reduce(full, "sum", group_name))], repeats, barrier)
+             lambda: functional.wait_tensor(functional.all_reduce(full, "sum", group_name)),
+             lambda: functional.wait_tensor(functional.all_to_all_single(full, rows, rows, group_name))],
+            repeats, barrier)
     if backend is not None:
         graphs = [gm for _, gm in graphs_of(backend)[0]]
         measured.append(_median_seconds(_replay([_without_collectives(gm) for gm in graphs]), repeats))
@@ -242,9 +262,10 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     averaged = torch.tensor(measured, dtype=torch.float64)
     dist.all_reduce(averaged, group=group)
     flops, memory, *times = (averaged / world).tolist()
-    ring_times, step_times = times[:2 * len(sizes)], times[2 * len(sizes):]
-    overhead, latency, bandwidth = fit_ring([4 * numel * world for numel in shard_numels], ring_times[0::2],
-                                            ring_times[1::2], world)
+    ring_times, step_times = times[:3 * len(sizes)], times[3 * len(sizes):]
+    full_bytes = [4 * numel * world for numel in shard_numels]
+    overhead, latency, bandwidth = fit_ring(full_bytes, ring_times[0::3], ring_times[1::3], world)
     machine = Machine(flops_per_s=flops, memory_bandwidth=memory, bandwidth=bandwidth, latency=latency,
-                      collective_overhead=overhead)
+                      collective_overhead=overhead,
+                      all_to_all_bandwidth=fit_all_to_all(full_bytes, ring_times[2::3], world))
     return machine if backend is None else fit_step(machine, backend, world, *step_times)

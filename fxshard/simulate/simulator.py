@@ -12,11 +12,15 @@ Costs:
   one node of an eager-compiled graph);
 - ring collective on N ranks with a full buffer of B bytes: all-gather and reduce-scatter take
   ``collective_overhead + (N-1)·latency + (N-1)/N·B/bandwidth``, all-reduce two such ring passes (one overhead);
+  an all-to-all (fxshard's reduce-scatter on gloo, and every quantized one) sends the same bytes to every peer at
+  once: ``collective_overhead + latency + (N-1)/N·B/all_to_all_bandwidth``;
 - hybrid mesh (R replica groups of S shard ranks): the all-reduce of each gradient shard across the replicas
   (meta ``across == "replicate"``; stage 1's in the optimizer step) runs on R ranks and the inter-group network
   (``replicate_latency``, ``replicate_bandwidth``), every other collective on the ``world`` ranks simulated (S);
-- ``step_overhead`` seconds per step on the compute stream, after the graphs: what a step runs outside them (the
-  autograd engine, the compiled function's wrappers and guards, the optimizer's update, ``zero_grad``);
+- the optimizer's update, after the graphs and the optimizer step's collectives: the bytes it writes (its
+  master and state read and written, its gradients read, its buckets copied in and out) / ``memory_bandwidth``;
+- ``step_overhead`` seconds per step on the compute stream, after that: what a step runs outside the graphs (the
+  autograd engine, the compiled function's wrappers and guards, the optimizer's Python, ``zero_grad``);
 - data parallelism with a fixed batch per rank (weak scaling): compute and the full buffers do not change with N,
   so one compiled graph predicts every N; padding is ignored.
 The optimizer step's own collectives (stages 1, 2) run eagerly after backward and are added unhidden.
@@ -27,17 +31,22 @@ The optimizer step's own collectives (stages 1, 2) run eagerly after backward an
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
+import sympy
+import torch
 from torch import fx
 
 from fxshard.budget.symbols import N
 from fxshard.errors import FxShardError
 from fxshard.passes.cost_model import node_flops, tensor_bytes
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES, replica_ranks, size_hint
-from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_saves, wire_bytes
+from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_nodes, packing_saves, wire_bytes
 from fxshard.torch_compat import c10d_functional
 
 WAIT = c10d_functional.wait_tensor.default
+ALL_TO_ALL = c10d_functional.all_to_all_single.default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +67,8 @@ class Machine:
     op_overhead: float = 0.0
     """Seconds per compute node of a graph, on top of its work: Python and dispatch of the compiled graph."""
     step_overhead: float = 0.0
-    """Seconds per step outside the graphs: autograd engine, compiled-function wrappers, optimizer update,
-    zero_grad."""
+    """Seconds per step outside the graphs and the optimizer's update: autograd engine, compiled-function
+    wrappers, the optimizer's Python, zero_grad."""
     replicate_bandwidth: float | None = None
     """Bytes/s per rank on the ring across the replica groups of a hybrid mesh (often a slower inter-node network);
     None: ``bandwidth``."""
@@ -70,6 +79,10 @@ class Machine:
     on, k ranks of one node; None: ``bandwidth``."""
     node_latency: float | None = None
     """Seconds per ring hop inside a node; None: ``latency``."""
+    all_to_all_bandwidth: float | None = None
+    """Bytes/s per rank of an all-to-all: fxshard's reduce-scatter on gloo and every quantized one, each rank
+    sending its rows to every peer at once (gloo moves them about twice as fast as an all-gather's); None:
+    ``bandwidth``."""
 
     def across_replicas(self) -> Machine:
         """This machine with the inter-group network as its ring: what a collective across the replicas of a hybrid
@@ -100,9 +113,9 @@ calibrated; ``calibrate`` on your own cluster for figures to trust."""
 class WhatIf:
     """Communication options priced on graphs compiled without them (``simulate(..., what_if=...)``): the weights'
     gathers of forward and backward packed as ``quantize_weights``, the gradients' reductions as
-    ``quantize_grads`` (bytes: ``passes.quantize``'s layout; the packing and unpacking each a pass over the buffer
-    on the compute stream), backward's gathers over ``secondary`` ranks of a node (``reshard_after_forward=k``).
-    Collectives already packed or over another group keep their cost."""
+    ``quantize_grads`` (bytes: ``passes.quantize``'s layout; packing and unpacking: the lowering's own nodes, on the
+    compute stream), backward's gathers over ``secondary`` ranks of a node (``reshard_after_forward=k``), unpacked
+    as the lowering leaves them. Collectives already packed or over another group keep their cost."""
 
     quantize_weights: str | None = None
     quantize_grads: str | None = None
@@ -174,10 +187,14 @@ def compute_seconds(node: fx.Node, machine: Machine) -> float:
 
 
 def collective_seconds(kind: str, full_bytes: float, world: int, machine: Machine) -> float:
-    """Ring alpha-beta time of one collective whose full (unsharded) buffer has ``full_bytes``, plus the machine's
-    per-collective overhead; an all-reduce is two ring passes (reduce-scatter, then all-gather)."""
+    """Alpha-beta time of one collective whose full (unsharded) buffer has ``full_bytes``, plus the machine's
+    per-collective overhead: a ring pass, two for an all-reduce (reduce-scatter, then all-gather), or for an
+    ``all_to_all`` one hop carrying the same bytes at ``all_to_all_bandwidth``."""
     if world <= 1:
         return 0.0
+    if kind == "all_to_all":
+        bandwidth = machine.all_to_all_bandwidth or machine.bandwidth
+        return machine.collective_overhead + machine.latency + (world - 1) / world * full_bytes / bandwidth
     one_pass = (world - 1) * machine.latency + (world - 1) / world * full_bytes / machine.bandwidth
     return machine.collective_overhead + (2 if kind == "all_reduce" else 1) * one_pass
 
@@ -214,27 +231,50 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
             and node.target is not WAIT]
 
 
+@functools.lru_cache(maxsize=4096)
+def _packing_work(scheme: str, block: int, rows: int, elements: int, received_rows: int, dtype: torch.dtype,
+                  unpacked_dtype: torch.dtype) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(nodes, bytes written) of packing a collective's rows and of unpacking the rows it receives: the lowering's
+    own nodes (``passes.quantize.packing_nodes``), which the machine prices as any compute node."""
+    work = {"quantize": [0, 0], "dequantize": [0, 0]}
+    for node in packing_nodes(scheme, block, rows, elements, received_rows, dtype, unpacked_dtype):
+        counts = work[node.meta["fxshard"]["role"]]
+        counts[0] += 1
+        counts[1] += tensor_bytes(node.meta["val"])
+    return tuple(work["quantize"]), tuple(work["dequantize"])
+
+
 def _priced(node: fx.Node, role: str, name: str, world: int, machine: Machine, what_if: WhatIf | None
-            ) -> tuple[float, float]:
-    """(seconds on the communication stream, seconds of packing and unpacking on the compute stream) of a
-    collective, ``what_if``'s options applied."""
+            ) -> tuple[float, float, float]:
+    """(seconds on the communication stream, seconds of packing before it and of unpacking after its wait on the
+    compute stream) of a collective, ``what_if``'s options applied."""
     full = _full_bytes(node, role)
     meta = node.meta.get("fxshard", {})
+    kind = "all_to_all" if node.target is ALL_TO_ALL else role
     ranks, ring = _ring(replica_ranks(node), world, machine)
     if meta.get("across") == "secondary":
         ranks, ring = meta["ranks"], machine.inside_node()
     if what_if is None:
-        return collective_seconds(role, full, ranks, ring), 0.0
-    if what_if.secondary and role == "all_gather" and "backward" in name and not meta.get("across"):
-        ranks, ring = what_if.secondary, machine.inside_node()
+        return collective_seconds(kind, full, ranks, ring), 0.0, 0.0
     scheme = what_if.scheme_for(node, role)
+    if what_if.secondary and role == "all_gather" and "backward" in name and not meta.get("across"):
+        ranks, ring, scheme = what_if.secondary, machine.inside_node(), None  # re-gathers travel unpacked
     if scheme is None:
-        return collective_seconds(role, full, ranks, ring), 0.0
+        return collective_seconds(kind, full, ranks, ring), 0.0, 0.0
     value = node.meta.get("val") if role == "all_gather" else node.args[0].meta.get("val")
-    packed = packed_bytes(size_hint(value.numel()), value.element_size(), role, ranks, scheme,
-                          what_if.quantize_block)
-    packing = 2 * full / machine.memory_bandwidth if packed < full else 0.0  # a pass to pack, one to unpack
-    return collective_seconds(role, packed, ranks, ring), packing
+    elements = size_hint(value.numel())
+    packed = packed_bytes(elements, value.element_size(), role, ranks, scheme, what_if.quantize_block)
+    if packed == full:
+        return collective_seconds(kind, full, ranks, ring), 0.0, 0.0
+    # a gather packs this rank's row and unpacks every rank's; a reduction packs and unpacks every rank's rows,
+    # exchanged by an all-to-all and summed in fp32
+    rows, unpacked_dtype = (1, value.dtype) if role == "all_gather" else (ranks, torch.float32)
+    if role == "reduce_scatter":
+        kind = "all_to_all"
+    pack, unpack = (nodes * machine.op_overhead + written / machine.memory_bandwidth
+                    for nodes, written in _packing_work(scheme, what_if.quantize_block, rows, -(-elements // ranks),
+                                                        ranks, value.dtype, unpacked_dtype))
+    return collective_seconds(kind, packed, ranks, ring), pack, unpack
 
 
 def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, start: float = 0.0,
@@ -250,10 +290,9 @@ def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, 
             continue
         role = collective_role(node)
         if role in COLLECTIVE_ROLES:
-            seconds, packing = _priced(node, role, name, world, machine, what_if)
-            compute_at += packing / 2  # packing is compute, before the collective can start
-            busy_compute += packing
-            unpacking[node] = packing / 2
+            seconds, packing, unpacking[node] = _priced(node, role, name, world, machine, what_if)
+            compute_at += packing  # packing is compute, before the collective can start
+            busy_compute += packing + unpacking[node]
             begin = max(compute_at, comm_at)
             comm_at = done[node] = begin + seconds
             busy_comm += seconds
@@ -269,16 +308,34 @@ def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, 
     return max(compute_at, comm_at), busy_compute, busy_comm, events
 
 
-def graphs_of(source) -> tuple[list[tuple[str, fx.GraphModule]], list[tuple[str, float, int | None]]]:
-    """(name, graph) pairs of one step in execution order, and the optimizer step's collectives (kind, full bytes,
-    replicas: the ranks of one across the replicas of a hybrid mesh, else None)."""
+def _scatters_by_all_to_all(model) -> bool:
+    """Whether the optimizer step reduce-scatters ``model``'s gradients as an all-to-all and a local sum (its
+    parameters' group is gloo's: ``fxshard.runtime.groups.scatters_by_all_to_all``)."""
+    from fxshard.runtime.groups import scatters_by_all_to_all
+    from fxshard.runtime.prepare import spec_of
+
+    spec = next((spec for p in model.parameters() if (spec := spec_of(p)) is not None), None)
+    return spec is not None and scatters_by_all_to_all(spec.group_name)
+
+
+def _no_update(world: int) -> float:
+    return 0.0
+
+
+def graphs_of(source) -> tuple[list[tuple[str, fx.GraphModule]], list[tuple[str, float, int | None]],
+                               Callable[[int], float]]:
+    """(name, graph) pairs of one step in execution order; the optimizer step's collectives (kind, full bytes,
+    replicas: the ranks of one across the replicas of a hybrid mesh, else None); and the bytes the optimizer's
+    update writes on ``world`` ranks (a function of it): each element it updates reads and writes its master and
+    state and reads its gradient (3 x the master's bytes + 2 x the state's, from the ledger), and each step
+    collective writes its bucket's input and output."""
     from fxshard.budget import Ledger, R
     from fxshard.budget import ledger as ledger_of
 
     if isinstance(source, fx.GraphModule):
-        return [("graph", source)], []
+        return [("graph", source)], [], _no_update
     if isinstance(source, (list, tuple)) and all(isinstance(g, fx.GraphModule) for g in source):
-        return [(f"graph {i}", g) for i, g in enumerate(source)], []
+        return [(f"graph {i}", g) for i, g in enumerate(source)], [], _no_update
     records = getattr(source, "graphs", None)
     if records is None:
         raise FxShardError("simulate takes a backend that ran a step, or rewritten GraphModule(s); got "
@@ -293,14 +350,20 @@ def graphs_of(source) -> tuple[list[tuple[str, fx.GraphModule]], list[tuple[str,
     ids = sorted({i for i, _ in finals})
     order = [(f"graph {i} forward", finals[(i, "forward")]) for i in ids if (i, "forward") in finals]
     order += [(f"graph {i} backward", finals[(i, "backward")]) for i in reversed(ids) if (i, "backward") in finals]
-    step = []
-    if getattr(source, "optimizer", None) is not None and getattr(source, "model", None) is not None:
-        ledger: Ledger = ledger_of(source)
-        for term in ledger.select("comm"):
-            if term.source.startswith("optimizer step"):
-                full = ledger.at(term.bytes) * (ledger.at(N) if term.item == "all_gather" else 1)
-                step.append((term.item, full, ledger.at(R) if term.ranks == R else None))
-    return order, step
+    if getattr(source, "optimizer", None) is None or getattr(source, "model", None) is None:
+        return order, [], _no_update
+    ledger: Ledger = ledger_of(source)
+    by_all_to_all = _scatters_by_all_to_all(source.model)
+    step, buckets = [], []
+    for term in ledger.select("comm"):
+        if term.source.startswith("optimizer step"):
+            full = ledger.at(term.bytes) * (ledger.at(N) if term.item == "all_gather" else 1)
+            kind = "all_to_all" if term.item == "reduce_scatter" and by_all_to_all else term.item
+            step.append((kind, full, ledger.at(R) if term.ranks == R else None))
+            buckets.append(2 * full if kind == "all_reduce" else full + full / N)  # input and output, one a shard
+    updated = sympy.Add(*(term.bytes * (3 if term.item == "master" else 2) for term in ledger.select("memory")
+                          if term.source.startswith("optimizer: ")), *buckets)
+    return order, step, lambda world: ledger.at(updated, N=world)
 
 
 def simulate(source, world: int, *, bandwidth: float | None = None, latency: float | None = None,
@@ -321,7 +384,7 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
         if value < 0 or (key != "latency" and value == 0):
             raise FxShardError(f"{key} must be positive, got {value!r}")
     machine = dataclasses.replace(machine, **overrides)
-    graphs, step_collectives = graphs_of(source)
+    graphs, step_collectives, update_bytes = graphs_of(source)
     clock = compute = comm = 0.0
     events: list[Event] = []
     for name, gm in graphs:
@@ -334,6 +397,11 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
         events.append(Event("optimizer step", kind, "comm", clock, clock + seconds))
         clock += seconds
         comm += seconds
+    update = update_bytes(world) / machine.memory_bandwidth
+    if update:
+        events.append(Event("optimizer step", "update", "compute", clock, clock + update))
+        clock += update
+        compute += update
     events.append(Event("step", "overhead", "compute", clock, clock + machine.step_overhead))
     clock += machine.step_overhead
     compute += machine.step_overhead
