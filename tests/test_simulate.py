@@ -10,8 +10,8 @@ import scenarios
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES
 from fxshard.simulate import Machine, calibrate, simulate
 from fxshard.simulate.calibration import (
-    _without_collectives, _zeros_for_placeholders, fit_collective_overhead, fit_op_overhead, fit_ring, fit_step,
-    fit_step_overhead,
+    _without_collectives, _zeros_for_placeholders, fit_all_to_all, fit_collective_overhead, fit_op_overhead,
+    fit_overlap, fit_ring, fit_step, fit_step_overhead, serialized,
 )
 from fxshard.simulate.simulator import collective_seconds, compute_nodes, compute_seconds
 
@@ -124,6 +124,29 @@ def test_fit_ring_holds_a_latency_the_noise_makes_negative_at_zero():
     assert overhead == pytest.approx(3e-4, rel=0.05) and bandwidth == pytest.approx(5e8, rel=0.05)
 
 
+def test_fit_all_to_all_recovers_its_bandwidth_and_refuses_what_it_cannot_fit():
+    truth = Machine(latency=2e-5, collective_overhead=3e-4, all_to_all_bandwidth=9e8)
+    sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 22]
+    assert fit_all_to_all(sizes, [collective_seconds("all_to_all", b, 4, truth) for b in sizes], 4) == pytest.approx(
+        9e8, rel=1e-6)
+    with pytest.raises(fxshard.FxShardError, match="does not grow with size"):
+        fit_all_to_all([4096, 1 << 20], [5e-4, 1e-4], 2)
+    with pytest.raises(fxshard.FxShardError, match="two or more distinct sizes"):
+        fit_all_to_all([4096, 4096], [1e-4, 1e-4], 2)
+
+
+def test_a_collective_holds_the_compute_stream_for_what_it_cannot_overlap(stage3):
+    """With no overlap, prefetching hides nothing: the scheduled graphs take as long as the serialized ones."""
+    graphs = _graphs(stage3[1])
+    for overlap, hides in ((1.0, True), (0.0, False)):
+        machine = dataclasses.replace(SLOW_NET, overlap=overlap)
+        scheduled = simulate(graphs, 2, machine=machine).step_time
+        serial = simulate([serialized(gm) for gm in graphs], 2, machine=machine).step_time
+        assert (scheduled < serial - 1e-9) == hides
+        if not hides:
+            assert scheduled == pytest.approx(serial)
+
+
 def test_fit_ring_refuses_what_it_cannot_fit():
     with pytest.raises(fxshard.FxShardError, match="two or more distinct sizes.*sizes=\\(small"):
         fit_ring([4096, 4096], [1e-4, 1e-4], [2e-4, 2e-4], 2)
@@ -142,14 +165,18 @@ def _graphs(backend):
 def test_fit_step_recovers_the_overheads_and_predicts_another_configuration(stage3):
     """Timings made by a known machine at stage 3 with prefetch: the fits recover its overheads, and the fitted
     machine predicts stage 3 without prefetch and stage 0 as the known one does."""
-    truth = dataclasses.replace(SLOW_NET, op_overhead=2e-5, collective_overhead=7e-4, step_overhead=3e-3)
+    truth = dataclasses.replace(SLOW_NET, op_overhead=2e-5, collective_overhead=7e-4, overlap=0.4,
+                                step_overhead=3e-3)
     graphs = _graphs(stage3[1])
     compute_only = sum(compute_seconds(node, truth) for gm in graphs for node in compute_nodes(gm))
-    with_collectives = simulate(graphs, 2, machine=dataclasses.replace(truth, step_overhead=0.0)).step_time
+    no_step = dataclasses.replace(truth, step_overhead=0.0)
+    serial = simulate([serialized(gm) for gm in graphs], 2, machine=no_step).step_time
+    scheduled = simulate(graphs, 2, machine=no_step).step_time
     step = simulate(stage3[1], 2, machine=truth).step_time
-    fitted = fit_step(SLOW_NET, stage3[1], 2, compute_only, with_collectives, step)
+    fitted = fit_step(SLOW_NET, stage3[1], 2, compute_only, serial, scheduled, step)
     assert fitted.op_overhead == pytest.approx(2e-5, rel=1e-6)
     assert fitted.collective_overhead == pytest.approx(7e-4, rel=1e-6)
+    assert fitted.overlap == pytest.approx(0.4, rel=1e-6)
     assert fitted.step_overhead == pytest.approx(3e-3, rel=1e-6)
     for other in (stage3[0], scenarios.compiled_model("chain", 0)):
         assert simulate(other, 2, machine=fitted).step_time == pytest.approx(
@@ -160,6 +187,8 @@ def test_fits_clip_at_zero_when_the_model_already_explains_the_time(stage3):
     graphs = _graphs(stage3[1])
     assert fit_op_overhead(graphs, 0.0, SLOW_NET) == 0.0
     assert fit_collective_overhead(graphs, 2, 1e-9, SLOW_NET) == 0.0
+    assert fit_overlap(graphs, 2, 1e-9, SLOW_NET) == 1.0  # faster than full overlap predicts
+    assert fit_overlap(graphs, 2, 1e9, SLOW_NET) == 0.0  # slower than none
     assert fit_step_overhead(stage3[1], 2, 1e-9, SLOW_NET) == 0.0
 
 

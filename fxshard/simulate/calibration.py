@@ -1,8 +1,8 @@
 """Calibration: the ``Machine`` constants of the simulator measured on this group, and the fits behind them.
 
 ``calibrate`` measures latency and bandwidth; with a backend and a step it fits ``op_overhead``,
-``collective_overhead`` and ``step_overhead`` to that backend's graphs and step (its docstring says how). The fits
-are pure functions, testable on synthetic timings.
+``collective_overhead``, ``overlap`` and ``step_overhead`` to that backend's graphs and step (its docstring says
+how). The fits are pure functions, testable on synthetic timings.
 """
 
 from __future__ import annotations
@@ -90,27 +90,60 @@ def fit_op_overhead(graphs, seconds: float, machine: Machine) -> float:
     return max(0.0, (seconds - work) / len(nodes))
 
 
-def fit_collective_overhead(graphs, world: int, seconds: float, machine: Machine) -> float:
-    """Seconds per collective such that ``graphs`` (GraphModules, run one after another with their collectives)
-    take ``seconds`` on ``world`` ranks, the other constants held at ``machine``'s: what a collective costs inside
-    a step, where it contends with compute for the cores. Bisection on the timeline, which grows with it; 0 when
-    the graphs take ``seconds`` without it. Needs graphs with collectives."""
+def _bisect(step_time: Callable[[float], float], seconds: float, low: float, high: float) -> float:
+    """The value in [low, high] at which ``step_time``, monotonic over it, takes ``seconds``; the end nearer to
+    ``seconds`` where it never does."""
+    at_low, at_high = step_time(low), step_time(high)
+    rising = at_high > at_low
+    if (seconds <= at_low) if rising else (seconds >= at_low):
+        return low
+    if (seconds >= at_high) if rising else (seconds <= at_high):
+        return high
+    for _ in range(60):
+        middle = (low + high) / 2
+        if (step_time(middle) < seconds) == rising:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def _with_collectives(graphs) -> list[fx.GraphModule]:
     graphs = list(graphs)
     if not any(collective_role(node) in COLLECTIVE_ROLES for gm in graphs for node in gm.graph.nodes):
         raise FxShardError("fitting the per-collective overhead needs graphs with collectives; calibrate on a stage "
                            "whose graphs communicate (0, 2 or 3), or keep the ring benchmark's")
+    return graphs
+
+
+def fit_collective_overhead(graphs, world: int, seconds: float, machine: Machine) -> float:
+    """Seconds per collective such that ``graphs`` (GraphModules, run one after another with their collectives,
+    each waited for as soon as it is issued: :func:`serialized`) take ``seconds`` on ``world`` ranks, the other
+    constants held at ``machine``'s: what a collective costs inside a step, where it contends with compute for the
+    cores. Bisection on the timeline, which grows with it; 0 when the graphs take ``seconds`` without it. Needs
+    graphs with collectives."""
+    graphs = _with_collectives(graphs)
 
     def step_time(overhead: float) -> float:
         return simulate(graphs, world, machine=dataclasses.replace(machine, collective_overhead=overhead,
                                                                    step_overhead=0.0)).step_time
 
-    low, high = 0.0, max(seconds, 1e-9)  # each collective costs at least the overhead, so `seconds` is too much
-    if step_time(low) >= seconds:
-        return 0.0
-    for _ in range(60):
-        middle = (low + high) / 2
-        low, high = (middle, high) if step_time(middle) < seconds else (low, middle)
-    return (low + high) / 2
+    # each collective costs at least the overhead, so `seconds` is too much
+    return _bisect(step_time, seconds, 0.0, max(seconds, 1e-9))
+
+
+def fit_overlap(graphs, world: int, seconds: float, machine: Machine) -> float:
+    """The share of a collective's time that runs under compute (``Machine.overlap``, 0 to 1) such that ``graphs``
+    (GraphModules as scheduled, collectives issued ahead of their waits) take ``seconds`` on ``world`` ranks, the
+    other constants held at ``machine``'s: 1 when they are as fast as full overlap predicts, 0 when no faster than
+    without any."""
+    graphs = _with_collectives(graphs)
+
+    def step_time(overlap: float) -> float:
+        return simulate(graphs, world, machine=dataclasses.replace(machine, overlap=overlap,
+                                                                   step_overhead=0.0)).step_time
+
+    return _bisect(step_time, seconds, 0.0, 1.0)
 
 
 def fit_step_overhead(source, world: int, seconds: float, machine: Machine) -> float:
@@ -122,17 +155,19 @@ def fit_step_overhead(source, world: int, seconds: float, machine: Machine) -> f
     return max(0.0, seconds - modelled)
 
 
-def fit_step(machine: Machine, backend, world: int, compute_only: float, with_collectives: float,
+def fit_step(machine: Machine, backend, world: int, compute_only: float, serial: float, scheduled: float,
              step: float) -> Machine:
-    """``machine`` with the three overheads fitted to ``backend``'s step on ``world`` ranks, each fit on the one
-    before: ``op_overhead`` to its forward and backward graphs taking ``compute_only`` seconds without their
-    collectives, ``collective_overhead`` to them taking ``with_collectives`` seconds with them (unchanged when they
-    have none), ``step_overhead`` to the whole step taking ``step`` seconds."""
+    """``machine`` with its overheads and overlap fitted to ``backend``'s step on ``world`` ranks, each fit on the
+    ones before: ``op_overhead`` to its forward and backward graphs taking ``compute_only`` seconds without their
+    collectives; ``collective_overhead`` to them taking ``serial`` seconds with each collective waited for as soon
+    as it is issued, and ``overlap`` to them taking ``scheduled`` seconds as scheduled (both unchanged when the
+    graphs have no collectives); ``step_overhead`` to the whole step taking ``step`` seconds."""
     graphs = [gm for _, gm in graphs_of(backend)[0]]
     machine = dataclasses.replace(machine, op_overhead=fit_op_overhead(graphs, compute_only, machine))
     if any(collective_role(node) in COLLECTIVE_ROLES for gm in graphs for node in gm.graph.nodes):
-        machine = dataclasses.replace(
-            machine, collective_overhead=fit_collective_overhead(graphs, world, with_collectives, machine))
+        overhead = fit_collective_overhead([serialized(gm) for gm in graphs], world, serial, machine)
+        machine = dataclasses.replace(machine, collective_overhead=overhead)
+        machine = dataclasses.replace(machine, overlap=fit_overlap(graphs, world, scheduled, machine))
     return dataclasses.replace(machine, step_overhead=fit_step_overhead(backend, world, step, machine))
 
 
@@ -151,12 +186,26 @@ def _zeros_for_placeholders(gm: fx.GraphModule) -> list[torch.Tensor]:
     return values
 
 
+def _copy(gm: fx.GraphModule) -> fx.Graph:
+    with warnings.catch_warnings():  # torch 2.13's pytree warns about its own LeafSpec while copying codegen
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(gm.graph)
+
+
+def serialized(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` in which every collective is waited for as soon as it is issued: nothing it sends can
+    overlap compute, whatever the machine (what :func:`fit_collective_overhead` times)."""
+    graph = _copy(gm)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is WAIT:
+            node.args[0].append(node)
+    return fx.GraphModule(gm, graph)
+
+
 def _without_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose collectives are empty tensors of their output's shape and whose waits are gone:
     the graph's compute alone, runnable on one rank."""
-    with warnings.catch_warnings():  # torch 2.13's pytree warns about its own LeafSpec while copying codegen
-        warnings.simplefilter("ignore", FutureWarning)
-        graph = copy.deepcopy(gm.graph)
+    graph = _copy(gm)
     for node in list(graph.nodes):
         if collective_role(node) in COLLECTIVE_ROLES:
             val = node.meta["val"]
@@ -217,19 +266,21 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     """Measure this machine and process group; a collective: every rank calls it with the same arguments. Returns
     the same :class:`Machine` on every rank (times are averaged over the ranks before anything is fitted).
 
-    Always: matmul FLOP/s and copy bandwidth (best of ``repeats``), the ring (:func:`fit_ring`: per-collective
+    Always: matmul FLOP/s (best of ``repeats``), copy bandwidth (median of ``repeats``, every rank copying at
+    once), the ring (:func:`fit_ring`: per-collective
     overhead, latency per hop, bandwidth) from functional all-gathers and all-reduces of full buffers of ``sizes``
     bytes, and the all-to-all's bandwidth (:func:`fit_all_to_all`) from all-to-alls of the same buffers, each the
     median of ``repeats`` timed after a barrier.
 
     With ``backend`` (one that ran a step) and ``step`` (a callable running one whole training step of it: forward,
-    backward, optimizer step, zero_grad; called ``steps + 1`` times, so it trains), three fits, each on the one
+    backward, optimizer step, zero_grad; called ``steps + 1`` times, so it trains), four fits, each on the ones
     before, from the backend's forward and backward graphs replayed on zero inputs and from real steps:
     ``op_overhead`` (:func:`fit_op_overhead`) from the median of ``repeats`` replays without the collectives;
-    ``collective_overhead`` (:func:`fit_collective_overhead`) from replays with them, where a collective contends
-    with compute for the cores (the ring's value stays when the graphs have none); ``step_overhead``
-    (:func:`fit_step_overhead`) from the steps. Replays with collectives and steps alternate over ``steps`` rounds
-    (medians), so a change in load moves both alike. The fits assume one machine for every configuration of the
+    ``collective_overhead`` (:func:`fit_collective_overhead`) from replays with them, each waited for as soon as it
+    is issued (:func:`serialized`), where a collective contends with compute for the cores; ``overlap``
+    (:func:`fit_overlap`) from replays as scheduled (both keep the ring's values when the graphs have no
+    collectives); ``step_overhead`` (:func:`fit_step_overhead`) from the steps. The replays with collectives and
+    the steps alternate over ``steps`` rounds (medians), so a change in load moves them alike. The fits assume one machine for every configuration of the
     same model and optimizer: calibrate one configuration and predict the others; another model needs its own."""
     import torch.distributed as dist
 
@@ -243,8 +294,10 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     world = dist.get_world_size(group)
     a = torch.randn(256, 256)
     big = torch.randn(1 << 20)
-    measured = [2 * 256**3 / best_time(lambda: a @ a, repeats), big.nbytes / best_time(big.clone, repeats)]
     barrier = lambda: dist.barrier(group)  # noqa: E731
+    # copies on every rank at once, as a step runs them: the ranks of one host share its memory bandwidth
+    measured = [2 * 256**3 / best_time(lambda: a @ a, repeats),
+                big.nbytes / _median_seconds(big.clone, repeats, before=barrier)]
     group_name = (group or dist.group.WORLD).group_name
     functional = c10d_functional
     shard_numels = [max(1, int(full_bytes) // 4 // world) for full_bytes in sizes]
@@ -258,7 +311,8 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     if backend is not None:
         graphs = [gm for _, gm in graphs_of(backend)[0]]
         measured.append(_median_seconds(_replay([_without_collectives(gm) for gm in graphs]), repeats))
-        measured += _interleaved_medians([_replay(graphs), step], steps, barrier)
+        measured += _interleaved_medians([_replay([serialized(gm) for gm in graphs]), _replay(graphs), step], steps,
+                                         barrier)
     averaged = torch.tensor(measured, dtype=torch.float64)
     dist.all_reduce(averaged, group=group)
     flops, memory, *times = (averaged / world).tolist()

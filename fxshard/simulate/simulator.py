@@ -13,7 +13,9 @@ Costs:
 - ring collective on N ranks with a full buffer of B bytes: all-gather and reduce-scatter take
   ``collective_overhead + (N-1)·latency + (N-1)/N·B/bandwidth``, all-reduce two such ring passes (one overhead);
   an all-to-all (fxshard's reduce-scatter on gloo, and every quantized one) sends the same bytes to every peer at
-  once: ``collective_overhead + latency + (N-1)/N·B/all_to_all_bandwidth``;
+  once: ``collective_overhead + latency + (N-1)/N·B/all_to_all_bandwidth``; a collective also holds the compute
+  stream for ``1 - overlap`` of its time from when it is issued (the share of moving its bytes that takes the
+  cores compute runs on: ``overlap`` is 1 on GPUs, less for gloo on a CPU host);
 - hybrid mesh (R replica groups of S shard ranks): the all-reduce of each gradient shard across the replicas
   (meta ``across == "replicate"``; stage 1's in the optimizer step) runs on R ranks and the inter-group network
   (``replicate_latency``, ``replicate_bandwidth``), every other collective on the ``world`` ranks simulated (S);
@@ -79,6 +81,10 @@ class Machine:
     on, k ranks of one node; None: ``bandwidth``."""
     node_latency: float | None = None
     """Seconds per ring hop inside a node; None: ``latency``."""
+    overlap: float = 1.0
+    """Share of a collective's time that can run under compute: 1 where the network moves the bytes on its own
+    (NCCL, an RDMA NIC); less where moving them takes the cores compute runs on (gloo between the processes of one
+    host: the kernel copies every byte through its sockets). The rest holds the compute stream as well."""
     all_to_all_bandwidth: float | None = None
     """Bytes/s per rank of an all-to-all: fxshard's reduce-scatter on gloo and every quantized one, each rank
     sending its rows to every peer at once (gloo moves them about twice as fast as an all-gather's); None:
@@ -295,6 +301,7 @@ def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, 
             busy_compute += packing + unpacking[node]
             begin = max(compute_at, comm_at)
             comm_at = done[node] = begin + seconds
+            compute_at += (1.0 - machine.overlap) * seconds
             busy_comm += seconds
             events.append(Event(name, node.name, "comm", begin, comm_at, _unit(node)))
         elif node.target is WAIT:
