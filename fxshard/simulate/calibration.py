@@ -266,8 +266,8 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     """Measure this machine and process group; a collective: every rank calls it with the same arguments. Returns
     the same :class:`Machine` on every rank (times are averaged over the ranks before anything is fitted).
 
-    Always: matmul FLOP/s (best of ``repeats``), copy bandwidth (median of ``repeats``, every rank copying at
-    once), the ring (:func:`fit_ring`: per-collective
+    Always: matmul FLOP/s (best of ``repeats``), copy bandwidth (median of ``repeats``, every rank copying at once
+    as in a step: the ranks of one host share its memory), the ring (:func:`fit_ring`: per-collective
     overhead, latency per hop, bandwidth) from functional all-gathers and all-reduces of full buffers of ``sizes``
     bytes, and the all-to-all's bandwidth (:func:`fit_all_to_all`) from all-to-alls of the same buffers, each the
     median of ``repeats`` timed after a barrier.
@@ -280,8 +280,9 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     is issued (:func:`serialized`), where a collective contends with compute for the cores; ``overlap``
     (:func:`fit_overlap`) from replays as scheduled (both keep the ring's values when the graphs have no
     collectives); ``step_overhead`` (:func:`fit_step_overhead`) from the steps. The replays with collectives and
-    the steps alternate over ``steps`` rounds (medians), so a change in load moves them alike. The fits assume one machine for every configuration of the
-    same model and optimizer: calibrate one configuration and predict the others; another model needs its own."""
+    the steps alternate over ``steps`` rounds (medians), so a change in load moves them alike. The fits assume one
+    machine for every configuration of the same model and optimizer: calibrate one configuration and predict the
+    others; another model needs its own."""
     import torch.distributed as dist
 
     from fxshard.passes.cost_model import best_time
@@ -293,7 +294,7 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
         raise FxShardError(f"repeats and steps must be >= 1, got repeats={repeats}, steps={steps}")
     world = dist.get_world_size(group)
     a = torch.randn(256, 256)
-    big = torch.randn(1 << 20)
+    big = torch.randn(1 << 22)
     barrier = lambda: dist.barrier(group)  # noqa: E731
     # copies on every rank at once, as a step runs them: the ranks of one host share its memory bandwidth
     measured = [2 * 256**3 / best_time(lambda: a @ a, repeats),

@@ -43,7 +43,7 @@ from torch import fx
 from fxshard.budget.symbols import N
 from fxshard.errors import FxShardError
 from fxshard.passes.cost_model import node_flops, tensor_bytes
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES, replica_ranks, size_hint
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
 from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_nodes, packing_saves, wire_bytes
 from fxshard.torch_compat import c10d_functional
 
@@ -104,10 +104,12 @@ class Machine:
             latency=self.latency if self.node_latency is None else self.node_latency)
 
 
-GLOO_ON_CPU = Machine(flops_per_s=8.5e10, memory_bandwidth=3.9e10, bandwidth=6e8, latency=0.0,
-                      collective_overhead=9.5e-4, op_overhead=7.7e-6)
-"""gloo between processes of one host, one CPU thread per rank: ``calibrate`` on a 2-core x86 VM, 2 ranks
-(docs/simulate.md, 2026-12-03). What sets it apart is the per-collective overhead (about 1 ms)."""
+GLOO_ON_CPU = Machine(flops_per_s=1.7e11, memory_bandwidth=6.8e9, bandwidth=9.9e8, latency=0.0,
+                      collective_overhead=1.7e-3, op_overhead=2.6e-5, overlap=0.36, all_to_all_bandwidth=1.5e9)
+"""gloo between processes of one host, one CPU thread per rank: ``calibrate`` on a 2-core x86 VM, 2 ranks, the
+benchmark GPT at stage 3 (docs/simulate.md, 2026-12-06). What sets it apart: the per-collective overhead (about
+1.7 ms), an all-to-all half again as fast as an all-gather, and a third of a collective's time hidden by compute
+(the rest takes the cores compute runs on)."""
 
 NCCL_ON_GPU = Machine(flops_per_s=5e13, memory_bandwidth=2e12, bandwidth=5e10, latency=5e-6,
                       collective_overhead=2e-5)
@@ -187,9 +189,13 @@ class Timeline:
 
 
 def compute_seconds(node: fx.Node, machine: Machine) -> float:
+    """``flops / flops_per_s`` where torch's flop counter knows the op, else its bytes written / ``memory_bandwidth``
+    (none for a view), plus ``op_overhead``."""
     flops = node_flops(node)
-    work = flops / machine.flops_per_s if flops else tensor_bytes(node.meta.get("val")) / machine.memory_bandwidth
-    return work + machine.op_overhead
+    if flops:
+        return flops / machine.flops_per_s + machine.op_overhead
+    written = 0 if is_view(node) else tensor_bytes(node.meta.get("val"))
+    return written / machine.memory_bandwidth + machine.op_overhead
 
 
 def collective_seconds(kind: str, full_bytes: float, world: int, machine: Machine) -> float:
@@ -246,7 +252,7 @@ def _packing_work(scheme: str, block: int, rows: int, elements: int, received_ro
     for node in packing_nodes(scheme, block, rows, elements, received_rows, dtype, unpacked_dtype):
         counts = work[node.meta["fxshard"]["role"]]
         counts[0] += 1
-        counts[1] += tensor_bytes(node.meta["val"])
+        counts[1] += 0 if is_view(node) else tensor_bytes(node.meta["val"])
     return tuple(work["quantize"]), tuple(work["dequantize"])
 
 
