@@ -4,6 +4,8 @@ compiled with them, and ``python -m fxshard simulate --options`` says where each
 import pytest
 
 import scenarios
+from fxshard.budget import ledger
+from fxshard.budget.communication_options import option_rows
 from fxshard.simulate import Machine, simulate
 from fxshard.simulate.simulator import WhatIf
 from fxshard.simulate.what_if import compare_options, options_table
@@ -66,3 +68,9 @@ def test_options_pay_on_a_slow_link_and_the_table_says_from_where(compiled):
     text = options_table(compiled["plain"], machine, links=(1e6,), node=2, node_link=1e12, worlds=(2, 4, 8))
     assert "pays from" in text and "N=4" in text
     assert max(map(len, text.splitlines())) <= 120
+
+
+def test_the_report_offers_no_option_a_step_already_uses(compiled):
+    # the Chain's rows are shorter than the report's 256-element blocks: only bf16 makes them smaller
+    assert [row["option"] for row in option_rows(ledger(compiled["plain"]))] == ['quantize_weights="bf16"']
+    assert option_rows(ledger(compiled["int8"])) == []  # its values and scales stay as they travel

@@ -1,7 +1,7 @@
 """What each communication option would send per step, priced on a ledger of the step as it ran: the compiled
 graphs' weight gathers at ``quantize_weights``' wire width, their gradient reductions at ``quantize_grads``', the
-blockwise schemes' padding and fp32 scales added, where packing makes a row smaller (``passes/quantize.py``). A collective already packed, or of another group
-(replicas, tp, secondary shards), keeps its bytes."""
+blockwise schemes' padding and fp32 scales added, where packing makes a row smaller (``passes/quantize.py``). A
+collective already packed, or of another group (replicas, tp, secondary shards), keeps its bytes."""
 
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_saves, wire_
 from .symbols import N, Q_GRAD, Q_PARAM, Ledger, Term
 
 
-def _in_graphs(term: Term, kind: str) -> bool:
-    """A collective of ``kind`` over the shard group in the compiled forward or backward."""
-    return term.item == kind and term.ranks == N and any(f"{g}: " in term.source for g in ("forward", "backward"))
+def _packable(term: Term, kind: str, wire_width) -> bool:
+    """A collective of ``kind`` over the shard group in the compiled forward or backward, not packed already (its
+    values at the wire width ``wire_width``, or its scales)."""
+    packed = term.width == wire_width or term.source.endswith("(scales)")
+    return (term.item == kind and term.ranks == N and not packed
+            and any(f"{g}: " in term.source for g in ("forward", "backward")))
 
 
 def _packed(ledger: Ledger, term: Term, scheme: str, block: int) -> float:
@@ -34,9 +37,9 @@ def sent_with(ledger: Ledger, weights: str | None, grads: str | None, block: int
     ``grads`` (None: as they ran)."""
     total = 0.0
     for term in ledger.select("comm"):
-        if weights and term.width != Q_PARAM and _in_graphs(term, "all_gather"):
+        if weights and _packable(term, "all_gather", Q_PARAM):
             total += _packed(ledger, term, weights, block)
-        elif grads and term.width != Q_GRAD and _in_graphs(term, "reduce_scatter"):
+        elif grads and _packable(term, "reduce_scatter", Q_GRAD):
             total += _packed(ledger, term, grads, block)
         else:
             total += ledger.at(term.moved)
