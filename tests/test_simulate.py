@@ -10,7 +10,7 @@ import scenarios
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES
 from fxshard.simulate import Machine, calibrate, simulate
 from fxshard.simulate.calibration import (
-    _without_collectives, _zeros_for_placeholders, fit_all_to_all, fit_collective_overhead, fit_op_overhead,
+    _without_collectives, _zeros_for_placeholders, fit_bandwidth, fit_collective_overhead, fit_op_overhead,
     fit_overlap, fit_ring, fit_step, fit_step_overhead, serialized,
 )
 from fxshard.simulate.simulator import collective_seconds, compute_nodes, compute_seconds
@@ -124,15 +124,16 @@ def test_fit_ring_holds_a_latency_the_noise_makes_negative_at_zero():
     assert overhead == pytest.approx(3e-4, rel=0.05) and bandwidth == pytest.approx(5e8, rel=0.05)
 
 
-def test_fit_all_to_all_recovers_its_bandwidth_and_refuses_what_it_cannot_fit():
-    truth = Machine(latency=2e-5, collective_overhead=3e-4, all_to_all_bandwidth=9e8)
+def test_fit_bandwidth_recovers_a_collectives_bandwidth_and_refuses_what_it_cannot_fit():
+    truth = Machine(bandwidth=5e8, latency=2e-5, collective_overhead=3e-4, all_to_all_bandwidth=9e8)
     sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 22]
-    assert fit_all_to_all(sizes, [collective_seconds("all_to_all", b, 4, truth) for b in sizes], 4) == pytest.approx(
-        9e8, rel=1e-6)
+    for kind, bandwidth in (("all_gather", 5e8), ("all_to_all", 9e8)):
+        seconds = [collective_seconds(kind, b, 4, truth) for b in sizes]
+        assert fit_bandwidth(sizes, seconds, 4) == pytest.approx(bandwidth, rel=1e-6)
     with pytest.raises(fxshard.FxShardError, match="does not grow with size"):
-        fit_all_to_all([4096, 1 << 20], [5e-4, 1e-4], 2)
+        fit_bandwidth([4096, 1 << 20], [5e-4, 1e-4], 2)
     with pytest.raises(fxshard.FxShardError, match="two or more distinct sizes"):
-        fit_all_to_all([4096, 4096], [1e-4, 1e-4], 2)
+        fit_bandwidth([4096, 4096], [1e-4, 1e-4], 2)
 
 
 def test_a_collective_holds_the_compute_stream_for_what_it_cannot_overlap(stage3):

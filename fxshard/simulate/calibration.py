@@ -60,19 +60,19 @@ def fit_ring(full_bytes, gather_seconds, all_reduce_seconds, world: int) -> tupl
     return constants.get(0, 0.0), constants.get(1, 0.0), 1.0 / constants[2]
 
 
-def fit_all_to_all(full_bytes, seconds, world: int) -> float:
-    """Bandwidth (bytes/s per rank) of all-to-alls of full buffers of ``full_bytes`` that took ``seconds``: the
-    slope of the least-squares line through time against the (N-1)/N·B bytes each rank sends (its intercept is the
-    per-collective overhead and latency the ring's fit already has)."""
+def fit_bandwidth(full_bytes, seconds, world: int) -> float:
+    """Bandwidth (bytes/s per rank) of one kind of collective (all-gathers, all-to-alls) of full buffers of
+    ``full_bytes`` that took ``seconds``: the slope of the least-squares line through time against the (N-1)/N·B
+    bytes each rank sends (its intercept is the per-collective overhead and latency the ring's fit has)."""
     sent = torch.tensor([(world - 1) / world * float(b) for b in full_bytes], dtype=torch.float64)
     times = torch.tensor([float(t) for t in seconds], dtype=torch.float64)
     if len(set(sent.tolist())) < 2 or len(times) != len(sent):
-        raise FxShardError(f"fitting the all-to-all needs a timing at each of two or more distinct sizes, got sizes "
+        raise FxShardError(f"fitting a bandwidth needs a timing at each of two or more distinct sizes, got sizes "
                            f"{list(full_bytes)} and {len(times)} timing(s)")
     design = torch.stack([torch.ones_like(sent), sent], dim=1)
     slope = torch.linalg.lstsq(design, times[:, None]).solution[1, 0].item()
     if slope <= 0:
-        raise FxShardError(f"all-to-all time does not grow with size (bytes: seconds "
+        raise FxShardError(f"collective time does not grow with size (bytes: seconds "
                            f"{dict(zip(full_bytes, seconds))}): calibrate with more repeats or a larger largest size")
     return 1.0 / slope
 
@@ -261,16 +261,18 @@ def _replay(graphs) -> Callable[[], None]:
     return run
 
 
-def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22),
+def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24),
               repeats: int = 20, steps: int = 20) -> Machine:
     """Measure this machine and process group; a collective: every rank calls it with the same arguments. Returns
     the same :class:`Machine` on every rank (times are averaged over the ranks before anything is fitted).
 
     Always: matmul FLOP/s (best of ``repeats``), copy bandwidth (median of ``repeats``, every rank copying at once
-    as in a step: the ranks of one host share its memory), the ring (:func:`fit_ring`: per-collective
-    overhead, latency per hop, bandwidth) from functional all-gathers and all-reduces of full buffers of ``sizes``
-    bytes, and the all-to-all's bandwidth (:func:`fit_all_to_all`) from all-to-alls of the same buffers, each the
-    median of ``repeats`` timed after a barrier.
+    as in a step: the ranks of one host share its memory), the ring's per-collective overhead and latency per hop
+    (:func:`fit_ring`) from functional all-gathers and all-reduces of full buffers of ``sizes`` bytes (up to the
+    16 MiB of an optimizer step's bucket), its bandwidth from the all-gathers alone and the all-to-all's from
+    all-to-alls of the same buffers (:func:`fit_bandwidth`: gloo's all-reduce runs faster than the two ring passes
+    the model charges, which would flatter the all-gather), each the median of ``repeats`` timed after a
+    barrier.
 
     With ``backend`` (one that ran a step) and ``step`` (a callable running one whole training step of it: forward,
     backward, optimizer step, zero_grad; called ``steps + 1`` times, so it trains), four fits, each on the ones
@@ -319,8 +321,8 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     flops, memory, *times = (averaged / world).tolist()
     ring_times, step_times = times[:3 * len(sizes)], times[3 * len(sizes):]
     full_bytes = [4 * numel * world for numel in shard_numels]
-    overhead, latency, bandwidth = fit_ring(full_bytes, ring_times[0::3], ring_times[1::3], world)
-    machine = Machine(flops_per_s=flops, memory_bandwidth=memory, bandwidth=bandwidth, latency=latency,
-                      collective_overhead=overhead,
-                      all_to_all_bandwidth=fit_all_to_all(full_bytes, ring_times[2::3], world))
+    overhead, latency, _ = fit_ring(full_bytes, ring_times[0::3], ring_times[1::3], world)
+    machine = Machine(flops_per_s=flops, memory_bandwidth=memory, latency=latency, collective_overhead=overhead,
+                      bandwidth=fit_bandwidth(full_bytes, ring_times[0::3], world),
+                      all_to_all_bandwidth=fit_bandwidth(full_bytes, ring_times[2::3], world))
     return machine if backend is None else fit_step(machine, backend, world, *step_times)
