@@ -266,8 +266,8 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     """Measure this machine and process group; a collective: every rank calls it with the same arguments. Returns
     the same :class:`Machine` on every rank (times are averaged over the ranks before anything is fitted).
 
-    Always: matmul FLOP/s (best of ``repeats``), copy bandwidth (median of ``repeats``, every rank copying at once
-    as in a step: the ranks of one host share its memory), the ring's per-collective overhead and latency per hop
+    Always: matmul FLOP/s and copy bandwidth (medians of ``repeats``, every rank computing at once as in a step:
+    the ranks of one host share its cores and memory), the ring's per-collective overhead and latency per hop
     (:func:`fit_ring`) from functional all-gathers and all-reduces of full buffers of ``sizes`` bytes (up to the
     16 MiB of an optimizer step's bucket), its bandwidth from the all-gathers alone and the all-to-all's from
     all-to-alls of the same buffers (:func:`fit_bandwidth`: gloo's all-reduce runs faster than the two ring passes
@@ -287,20 +287,20 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     others; another model needs its own."""
     import torch.distributed as dist
 
-    from fxshard.passes.cost_model import best_time
-
     if (backend is None) != (step is None):
         raise FxShardError("calibrate fits a step's overheads from both backend= (that ran a step) and step= (a "
                            "callable running one training step of it); pass both, or neither for the machine alone")
     if repeats < 1 or steps < 1:
         raise FxShardError(f"repeats and steps must be >= 1, got repeats={repeats}, steps={steps}")
     world = dist.get_world_size(group)
-    a = torch.randn(256, 256)
+    a = torch.randn(512, 512)
     big = torch.randn(1 << 22)
     barrier = lambda: dist.barrier(group)  # noqa: E731
-    # copies on every rank at once, as a step runs them: the ranks of one host share its memory bandwidth
-    measured = [2 * 256**3 / best_time(lambda: a @ a, repeats),
-                big.nbytes / _median_seconds(big.clone, repeats, before=barrier)]
+    # matmuls and copies on every rank at once, as a step runs them: the ranks of one host share its cores (in
+    # time, where there are more ranks than cores) and its memory bandwidth. Each timed call lasts ~10 ms, several
+    # of the kernel's time slices, so that sharing shows in it.
+    measured = [8 * 2 * 512**3 / _median_seconds(lambda: [a @ a for _ in range(8)], repeats, before=barrier),
+                4 * big.nbytes / _median_seconds(lambda: [big.clone() for _ in range(4)], repeats, before=barrier)]
     group_name = (group or dist.group.WORLD).group_name
     functional = c10d_functional
     shard_numels = [max(1, int(full_bytes) // 4 // world) for full_bytes in sizes]
