@@ -76,6 +76,9 @@ class PassContext:
     quantize_grads: stages 2 and 3: gradients are averaged by an all-to-all of ``"bf16"`` or blockwise ``"int8"``
         packed rows and a sum here in fp32 (ZeRO++'s qgZ, in one hop): lossy, the error of each rank's part is at
         most half a step of its block's grid. None (the default): exact, in ``reduce_dtype``.
+        ``"auto"`` on either: the backend chooses per graph between None and ``"int8"`` by the simulator's
+        predicted time (``fxshard.simulate.autotune``; the weights once per step, by the forward graph, so forward
+        and backward compute with the same weights); the passes see the choice, never ``"auto"``.
     quantize_block: elements per scale of the blockwise schemes (``passes.quantize.DEFAULT_QUANTIZE_BLOCK``).
     step_bucket_bytes: the eager ``optimizer.step()``'s collectives (stage 1's reduce-scatter of the gradients,
         stages 1 and 2's all-gathers that publish the updated shards, stage 0's all-reduce of gradients ``no_sync``

@@ -130,8 +130,8 @@ def test_a_secondary_group_that_cannot_be_made_is_refused(options, message):
 @pytest.mark.parametrize("options, message", [
     ({"stage": 2, "quantize_weights": "int8"}, r"only stage 3 gathers weights \(this backend is stage 2\)"),
     ({"stage": 1, "quantize_grads": "int8"}, r"which stages 2 and 3 run \(this backend is stage 1\)"),
-    ({"quantize_weights": "int4"}, r"quantize_weights must be None or one of \('bf16', 'int8', 'fp8'\)"),
-    ({"quantize_grads": "fp8"}, r"quantize_grads must be None or one of \('bf16', 'int8'\)"),
+    ({"quantize_weights": "int4"}, r"quantize_weights must be None, \"auto\" .* or one of \('bf16', 'int8', 'fp8'\)"),
+    ({"quantize_grads": "fp8"}, r"quantize_grads must be None, \"auto\" .* or one of \('bf16', 'int8'\)"),
     ({"quantize_block": 0}, "quantize_block must be a positive int"),
 ])
 def test_a_quantization_the_stage_or_torch_cannot_do_is_refused(options, message):

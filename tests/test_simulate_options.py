@@ -74,3 +74,28 @@ def test_the_report_offers_no_option_a_step_already_uses(compiled):
     # the Chain's rows are shorter than the report's 256-element blocks: only bf16 makes them smaller
     assert [row["option"] for row in option_rows(ledger(compiled["plain"]))] == ['quantize_weights="bf16"']
     assert option_rows(ledger(compiled["int8"])) == []  # its values and scales stay as they travel
+
+
+def _packed_collectives(backend) -> dict[str, set]:
+    return {record.kind: {node.meta["fxshard"]["role"] for node in record.final.graph.nodes
+                          if node.meta.get("fxshard", {}).get("quantized")}
+            for record in backend.graphs if record.kind in ("forward", "backward")}
+
+
+@pytest.mark.parametrize("link, packed", [
+    (1e5, {"forward": {"all_gather"}, "backward": {"all_gather", "reduce_scatter"}}),  # bytes cost most
+    (1e15, {"forward": set(), "backward": set()}),  # packing costs more than the bytes it saves
+], ids=["slow link", "fast link"])
+def test_auto_lets_the_simulator_choose_int8_where_it_pays(link, packed):
+    machine = Machine(flops_per_s=1e9, memory_bandwidth=1e9, bandwidth=link, latency=0.0)
+    backend = scenarios.compiled_model("chain", 3, world=WORLD, bucket="layer", machine=machine, quantize_block=BLOCK,
+                                       quantize_weights="auto", quantize_grads="auto")
+    assert _packed_collectives(backend) == packed  # backward computes with the weights forward chose
+    chosen = [r.final.meta["fxshard_choice"] for r in backend.graphs if r.kind in ("forward", "backward")]
+    assert all(len(c["candidates"]) == 2 for c in chosen)  # unpacked and int8: the weights, or the gradients
+
+
+def test_without_auto_no_candidate_is_lossy():
+    machine = Machine(flops_per_s=1e9, memory_bandwidth=1e9, bandwidth=1e5, latency=0.0)
+    backend = scenarios.compiled_model("chain", 3, world=WORLD, bucket="layer", machine=machine)
+    assert _packed_collectives(backend) == {"forward": set(), "backward": set()}

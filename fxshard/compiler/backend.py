@@ -138,6 +138,7 @@ class Backend:
         self.model: nn.Module | None = None  # what prepare laid out, for the report and the budget
         self.optimizer: torch.optim.Optimizer | None = None
         self.graphs: list[GraphRecord] = []
+        self._chosen_weights: dict[int, str | None] = {}  # graph id -> its forward's quantize_weights
         self._graph_ids = itertools.count()
         self._check_group_name = ""  # the group the consistency check compares over, set by prepare
         self._secondary: tuple[str, int] = ("", 0)  # reshard_after_forward=k: (group, this rank's place), by prepare
@@ -328,9 +329,13 @@ class Backend:
         """The pass pipeline over ``gm``, under the knobs ``fxshard.simulate.autotune`` chooses on ``machine`` where the
         user left a choice (a lowered graph's grouping, prefetch under ``memory_budget``)."""
         context = dataclasses.replace(context, graph=kind)
+        if kind == "backward" and context.quantize_weights == "auto":  # the weights forward computed with
+            context = dataclasses.replace(context, quantize_weights=self._chosen_weights.get(graph_id))
         choice = None
         if machine is not None:
             context, choice = autotune.choose(gm, context, self.passes, machine)
+        if kind in ("forward", "inference"):
+            self._chosen_weights[graph_id] = context.quantize_weights
         record = GraphRecord(kind, graph_id)
         self.graphs.append(record)
         gm = run_passes(gm, context, self.passes, record)

@@ -42,8 +42,9 @@ def checked_knobs(knobs: dict) -> dict:
                            f"(re-gather in backward within groups of k ranks), got {reshard!r}")
     for name, schemes in (("quantize_weights", SCHEMES), ("quantize_grads", GRAD_SCHEMES)):
         value = knobs.get(name)
-        if value is not None and value not in schemes:
-            raise FxShardError(f"{name} must be None or one of {schemes}, got {value!r}")
+        if value is not None and value != "auto" and value not in schemes:
+            raise FxShardError(f'{name} must be None, "auto" (the backend chooses, lossy allowed) or one of '
+                               f"{schemes}, got {value!r}")
     if knobs.get("quantize_weights") == "fp8" and not hasattr(torch, "float8_e4m3fn"):
         raise FxShardError('quantize_weights="fp8" needs torch.float8_e4m3fn, which this torch lacks: use "int8" (the '
                            'same bytes on the wire)')

@@ -1,13 +1,17 @@
 """The knobs a graph compiles with where the user left fxshard a choice: the candidate the simulator predicts
 fastest, among those whose memory fits ``memory_budget``.
 
-Two knobs leave a choice:
+Three knobs leave a choice:
 
 - ``bucket="auto"`` (the default of stages 1-3) on a model with repeated blocks: one collective per block and one
   for the rest (FSDP2's grouping, ``fxshard.compiler.blocks``), or one per layer (less memory held at once, more
   collectives);
 - ``memory_budget``: ``prefetch`` and ``max_inflight_gathers`` become the most a schedule may use: the given pair
-  and every less eager one down to no prefetch are candidates, under each grouping.
+  and every less eager one down to no prefetch are candidates, under each grouping;
+- ``quantize_weights="auto"`` / ``quantize_grads="auto"``, the user's leave to go lossy: unpacked and ``"int8"``
+  (``LOSSY_CHOICES``) are candidates under each of the above, the weights in forward and inference graphs (the
+  backend gives backward the forward's choice), the gradients in backward graphs. Without "auto" no candidate is
+  lossy.
 
 For a lowered graph (forward, backward, inference) with more than one candidate, the backend runs its pass pipeline
 on a copy of the graph per candidate, predicts the graph's time on a ``fxshard.simulate.Machine``
@@ -32,6 +36,7 @@ from fxshard.passes import PassContext
 from .simulator import Machine, simulate_graph
 
 CHOSEN_GRAPHS = ("forward", "backward", "inference")
+LOSSY_CHOICES = (None, "int8")  # unpacked first: on a tie the exact one
 
 
 def candidates(ctx: PassContext) -> list[PassContext]:
@@ -40,17 +45,24 @@ def candidates(ctx: PassContext) -> list[PassContext]:
     if ctx.graph not in CHOSEN_GRAPHS:
         return [ctx]
     groupings = [ctx, dataclasses.replace(ctx, bucket="layer")] if ctx.bucket == "auto" and ctx.blocks else [ctx]
-    if ctx.memory_budget is None or ctx.schedule is not None:
-        return groupings
-    pairs = [(p, m) for p in range(ctx.prefetch, 0, -1) for m in range(ctx.max_inflight_gathers, 0, -1)]
-    return [dataclasses.replace(grouping, prefetch=p, max_inflight_gathers=m)
-            for grouping in groupings for p, m in [*pairs, (0, 1)]]
+    if ctx.memory_budget is not None and ctx.schedule is None:
+        pairs = [(p, m) for p in range(ctx.prefetch, 0, -1) for m in range(ctx.max_inflight_gathers, 0, -1)]
+        groupings = [dataclasses.replace(grouping, prefetch=p, max_inflight_gathers=m)
+                     for grouping in groupings for p, m in [*pairs, (0, 1)]]
+    weights = LOSSY_CHOICES if ctx.quantize_weights == "auto" else (ctx.quantize_weights,)
+    grads = LOSSY_CHOICES if ctx.quantize_grads == "auto" and ctx.graph == "backward" else (
+        None if ctx.quantize_grads == "auto" else ctx.quantize_grads,)  # only backward reduces gradients
+    return [dataclasses.replace(grouping, quantize_weights=w, quantize_grads=g)
+            for grouping in groupings for w in weights for g in grads]
 
 
 def describe_knobs(ctx: PassContext) -> str:
-    """``bucket=auto, prefetch=1, max_inflight_gathers=2``: the knobs that tell candidates apart."""
+    """``bucket=auto, prefetch=1, max_inflight_gathers=2``: the knobs that tell candidates apart (and the
+    quantization where there is one)."""
     bucket = f'"{ctx.bucket}"' if isinstance(ctx.bucket, str) else ctx.bucket
-    return f"bucket={bucket}, prefetch={ctx.prefetch}, max_inflight_gathers={ctx.max_inflight_gathers}"
+    packed = "".join(f', {name}="{value}"' for name, value in (("quantize_weights", ctx.quantize_weights),
+                                                                ("quantize_grads", ctx.quantize_grads)) if value)
+    return f"bucket={bucket}, prefetch={ctx.prefetch}, max_inflight_gathers={ctx.max_inflight_gathers}{packed}"
 
 
 def choose(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass],
@@ -59,7 +71,7 @@ def choose(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass],
     ``{"machine", "memory_budget", "candidates": [{"knobs", "predicted_s", "bytes", "fits"}], "chosen": index}``."""
     options = candidates(ctx)
     if len(options) == 1:
-        return ctx, None
+        return options[0], None
     tried = []
     for option in options:
         trial = trial_run(gm, dataclasses.replace(option, memory_budget=None), passes)
