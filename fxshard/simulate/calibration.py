@@ -313,7 +313,8 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
             repeats, barrier)
     if backend is not None:
         graphs = [gm for _, gm in graphs_of(backend)[0]]
-        measured.append(_median_seconds(_replay([_without_collectives(gm) for gm in graphs]), repeats))
+        # after a barrier, every rank replaying at once: compute shares the cores as in a step
+        measured.append(_median_seconds(_replay([_without_collectives(gm) for gm in graphs]), repeats, before=barrier))
         measured += _interleaved_medians([_replay([serialized(gm) for gm in graphs]), _replay(graphs), step], steps,
                                          barrier)
     averaged = torch.tensor(measured, dtype=torch.float64)

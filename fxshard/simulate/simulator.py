@@ -104,12 +104,12 @@ class Machine:
             latency=self.latency if self.node_latency is None else self.node_latency)
 
 
-GLOO_ON_CPU = Machine(flops_per_s=1.3e11, memory_bandwidth=7.1e9, bandwidth=5.8e8, latency=0.0,
-                      collective_overhead=2.5e-3, op_overhead=3.9e-5, overlap=0.27, all_to_all_bandwidth=7.9e8)
+GLOO_ON_CPU = Machine(flops_per_s=1.66e11, memory_bandwidth=7.4e9, bandwidth=7.9e8, latency=0.0,
+                      collective_overhead=1.5e-3, op_overhead=2.0e-5, overlap=0.44, all_to_all_bandwidth=1.25e9)
 """gloo between processes of one host, one CPU thread per rank: ``calibrate`` on a 2-core x86 VM, 2 ranks, the
 benchmark GPT at stage 3 (docs/simulate.md, 2026-12-06). What sets it apart: the per-collective overhead (about
-2.5 ms), an all-to-all a third faster than an all-gather, and a quarter of a collective's time hidden by compute
-(the rest takes the cores compute runs on)."""
+1.5 ms), an all-to-all half again as fast as an all-gather, and less than half of a collective's time hidden by
+compute (the rest takes the cores compute runs on)."""
 
 NCCL_ON_GPU = Machine(flops_per_s=5e13, memory_bandwidth=2e12, bandwidth=5e10, latency=5e-6,
                       collective_overhead=2e-5)
