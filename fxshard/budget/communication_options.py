@@ -9,13 +9,14 @@ import math
 
 from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_saves, wire_bytes
 
+from .graph_terms import SCALES
 from .symbols import N, Q_GRAD, Q_PARAM, Ledger, Term
 
 
 def _packable(term: Term, kind: str, wire_width) -> bool:
     """A collective of ``kind`` over the shard group in the compiled forward or backward, not packed already (its
     values at the wire width ``wire_width``, or its scales)."""
-    packed = term.width == wire_width or term.source.endswith("(scales)")
+    packed = term.width == wire_width or term.source.endswith(SCALES)
     return (term.item == kind and term.ranks == N and not packed
             and any(f"{g}: " in term.source for g in ("forward", "backward")))
 

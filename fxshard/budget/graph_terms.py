@@ -27,6 +27,8 @@ from .symbols import B_GRAD, B_PARAM, K, N, Q_GRAD, Q_PARAM, R, T, Term, psi, sh
 
 # Names of a model input's leading dimensions when the graph has symbolic sizes (``torch.compile(dynamic=True)``).
 SIZE_NAMES = ("batch", "seq")
+SCALES = " (scales)"  # ends the source of a packed collective's scales term
+
 
 @dataclasses.dataclass
 class Param:
@@ -178,7 +180,7 @@ def _quantized_terms(node: fx.Node, kind: str, source: str, sizes: Sizes) -> lis
         raise FxShardError(f"{source}: a packed buffer of {size_hint(buffer.numel())} elements, the ledger expects "
                            f"{expected}: passes/quantize.py and the ledger disagree on the layout")
     return [Term("comm", kind, rows * meta["block"] * blocks, width, source, calls=1, unit=meta.get("unit", "")),
-            Term("comm", kind, rows * blocks, sympy.Integer(4), f"{source} (scales)", unit=meta.get("unit", ""))]
+            Term("comm", kind, rows * blocks, sympy.Integer(4), f"{source}{SCALES}", unit=meta.get("unit", ""))]
 
 
 def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes,

@@ -50,8 +50,9 @@ def candidates(ctx: PassContext) -> list[PassContext]:
         groupings = [dataclasses.replace(grouping, prefetch=p, max_inflight_gathers=m)
                      for grouping in groupings for p, m in [*pairs, (0, 1)]]
     weights = LOSSY_CHOICES if ctx.quantize_weights == "auto" else (ctx.quantize_weights,)
-    grads = LOSSY_CHOICES if ctx.quantize_grads == "auto" and ctx.graph == "backward" else (
-        None if ctx.quantize_grads == "auto" else ctx.quantize_grads,)  # only backward reduces gradients
+    grads = (ctx.quantize_grads,)
+    if ctx.quantize_grads == "auto":  # only backward reduces gradients
+        grads = LOSSY_CHOICES if ctx.graph == "backward" else (None,)
     return [dataclasses.replace(grouping, quantize_weights=w, quantize_grads=g)
             for grouping in groupings for w in weights for g in grads]
 

@@ -108,12 +108,19 @@ def _bisect(step_time: Callable[[float], float], seconds: float, low: float, hig
     return (low + high) / 2
 
 
-def _with_collectives(graphs) -> list[fx.GraphModule]:
+def _fit_field(field: str, graphs, world: int, seconds: float, machine: Machine, high: float) -> float:
+    """The value in [0, ``high``] of ``machine``'s ``field`` at which ``graphs`` (GraphModules with collectives, run
+    one after another) take ``seconds`` on ``world`` ranks, the other constants held (bisection on the timeline)."""
     graphs = list(graphs)
     if not any(collective_role(node) in COLLECTIVE_ROLES for gm in graphs for node in gm.graph.nodes):
-        raise FxShardError("fitting the per-collective overhead needs graphs with collectives; calibrate on a stage "
-                           "whose graphs communicate (0, 2 or 3), or keep the ring benchmark's")
-    return graphs
+        raise FxShardError(f"fitting {field} needs graphs with collectives; calibrate on a stage whose graphs "
+                           "communicate (0, 2 or 3), or keep the ring benchmark's")
+
+    def step_time(value: float) -> float:
+        return simulate(graphs, world, machine=dataclasses.replace(machine, **{field: value},
+                                                                   step_overhead=0.0)).step_time
+
+    return _bisect(step_time, seconds, 0.0, high)
 
 
 def fit_collective_overhead(graphs, world: int, seconds: float, machine: Machine) -> float:
@@ -122,14 +129,8 @@ def fit_collective_overhead(graphs, world: int, seconds: float, machine: Machine
     constants held at ``machine``'s: what a collective costs inside a step, where it contends with compute for the
     cores. Bisection on the timeline, which grows with it; 0 when the graphs take ``seconds`` without it. Needs
     graphs with collectives."""
-    graphs = _with_collectives(graphs)
-
-    def step_time(overhead: float) -> float:
-        return simulate(graphs, world, machine=dataclasses.replace(machine, collective_overhead=overhead,
-                                                                   step_overhead=0.0)).step_time
-
     # each collective costs at least the overhead, so `seconds` is too much
-    return _bisect(step_time, seconds, 0.0, max(seconds, 1e-9))
+    return _fit_field("collective_overhead", graphs, world, seconds, machine, max(seconds, 1e-9))
 
 
 def fit_overlap(graphs, world: int, seconds: float, machine: Machine) -> float:
@@ -137,13 +138,7 @@ def fit_overlap(graphs, world: int, seconds: float, machine: Machine) -> float:
     (GraphModules as scheduled, collectives issued ahead of their waits) take ``seconds`` on ``world`` ranks, the
     other constants held at ``machine``'s: 1 when they are as fast as full overlap predicts, 0 when no faster than
     without any."""
-    graphs = _with_collectives(graphs)
-
-    def step_time(overlap: float) -> float:
-        return simulate(graphs, world, machine=dataclasses.replace(machine, overlap=overlap,
-                                                                   step_overhead=0.0)).step_time
-
-    return _bisect(step_time, seconds, 0.0, 1.0)
+    return _fit_field("overlap", graphs, world, seconds, machine, 1.0)
 
 
 def fit_step_overhead(source, world: int, seconds: float, machine: Machine) -> float:

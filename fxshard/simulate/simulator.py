@@ -244,16 +244,13 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _packing_work(scheme: str, block: int, rows: int, elements: int, received_rows: int, dtype: torch.dtype,
-                  unpacked_dtype: torch.dtype) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(nodes, bytes written) of packing a collective's rows and of unpacking the rows it receives: the lowering's
-    own nodes (``passes.quantize.packing_nodes``), which the machine prices as any compute node."""
-    work = {"quantize": [0, 0], "dequantize": [0, 0]}
-    for node in packing_nodes(scheme, block, rows, elements, received_rows, dtype, unpacked_dtype):
-        counts = work[node.meta["fxshard"]["role"]]
-        counts[0] += 1
-        counts[1] += 0 if is_view(node) else tensor_bytes(node.meta["val"])
-    return tuple(work["quantize"]), tuple(work["dequantize"])
+def _packing(scheme: str, block: int, rows: int, elements: int, received_rows: int, dtype: torch.dtype,
+             unpacked_dtype: torch.dtype) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The nodes that pack a collective's rows and those that unpack the rows it receives: the lowering's own
+    (``passes.quantize.packing_nodes``), priced as any compute node."""
+    nodes = packing_nodes(scheme, block, rows, elements, received_rows, dtype, unpacked_dtype)
+    return ([n for n in nodes if n.meta["fxshard"]["role"] == "quantize"],
+            [n for n in nodes if n.meta["fxshard"]["role"] == "dequantize"])
 
 
 def _priced(node: fx.Node, role: str, name: str, world: int, machine: Machine, what_if: WhatIf | None
@@ -283,9 +280,9 @@ def _priced(node: fx.Node, role: str, name: str, world: int, machine: Machine, w
     rows, unpacked_dtype = (1, value.dtype) if role == "all_gather" else (ranks, torch.float32)
     if role == "reduce_scatter":
         kind = "all_to_all"
-    pack, unpack = (nodes * machine.op_overhead + written / machine.memory_bandwidth
-                    for nodes, written in _packing_work(scheme, what_if.quantize_block, rows, -(-elements // ranks),
-                                                        ranks, value.dtype, unpacked_dtype))
+    pack, unpack = (sum(compute_seconds(n, machine) for n in nodes)
+                    for nodes in _packing(scheme, what_if.quantize_block, rows, -(-elements // ranks), ranks,
+                                          value.dtype, unpacked_dtype))
     return collective_seconds(kind, packed, ranks, ring), pack, unpack
 
 
