@@ -112,10 +112,31 @@ class QuantizedNodes:
                     [count, blocks, self.block])
         scaled = emit("dequantize", aten.mul.Tensor, grid, emit("dequantize", aten.view.default, scale,
                                                                  [count, blocks, 1]))
-        flat = emit("dequantize", aten.view.default, scaled, [count, blocks * self.block])
-        if blocks * self.block != elements:
-            flat = emit("dequantize", aten.slice.Tensor, flat, 1, 0, elements)
-        return emit("dequantize", prims.convert_element_type.default, flat, dtype)
+        return self._unpadded(scaled, shape, dtype)
+
+    def _unpadded(self, grid: fx.Node, shape: tuple[int, int], dtype: torch.dtype) -> fx.Node:
+        """The [r, n] values of ``grid`` ([r, blocks, block] fp32) in ``dtype``, the last block's padding dropped, a
+        tensor of its own. Not a view of the grid as [r, blocks x block] sliced to n: torch 2.13's Inductor compiles
+        that crop of a merged view into a loop over whole blocks only (n // block of them), and the rest of each row
+        is never written. The whole blocks and the last one's values are cut apart and joined instead."""
+        emit = self.emit
+
+        def as_dtype(values: fx.Node) -> fx.Node:
+            return values if dtype == torch.float32 else emit("dequantize", prims.convert_element_type.default,
+                                                              values, dtype)
+
+        count, elements = shape
+        blocks = scales_per_row(elements, self.block)
+        whole = (blocks - 1) * self.block
+        if whole + self.block == elements:
+            return as_dtype(emit("dequantize", aten.view.default, grid, [count, elements]))
+        last = emit("dequantize", aten.slice.Tensor, emit("dequantize", aten.select.int, grid, 1, blocks - 1),
+                    1, 0, elements - whole)
+        if blocks == 1:  # a strided slice: copied
+            return emit("dequantize", prims.convert_element_type.default, last, dtype)
+        before = emit("dequantize", aten.view.default,
+                      emit("dequantize", aten.slice.Tensor, grid, 1, 0, blocks - 1), [count, whole])
+        return as_dtype(emit("dequantize", aten.cat.default, [before, last], 1))
 
 
 def packing_nodes(scheme: str, block: int, rows: int, elements: int, received_rows: int, dtype: torch.dtype,
