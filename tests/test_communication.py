@@ -103,7 +103,7 @@ def test_int8_weights_and_gradients_send_under_a_third_of_fp32s_bytes(quantized_
 
 @pytest.mark.parametrize("world, options", [(3, INT8), (2, {"quantize_weights": "fp8", "quantize_grads": "bf16"})])
 def test_the_ledger_prices_each_packed_collective_as_the_wire_carries_it(pools, world, options):
-    # the graphs run op by op (compiler="eager"): the same collectives as Inductor's code (the 40-step runs), quicker
+    # the graphs run op by op (compiler="eager"): the same collectives as Inductor's code (test_inductor.py), quicker
     result = pools(world).run(communication_scenarios.step_on_the_wire, compiler="eager", **options)[0]
     assert _sent_per_rank(result, world) == pytest.approx(_ledger_and_framing(result, world), rel=0.01)
 
