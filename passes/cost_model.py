@@ -20,7 +20,6 @@ measurements over the group and the defaults are constants.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import time
 
 import torch
@@ -28,7 +27,7 @@ from torch import fx
 from fxshard.torch_compat import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from .fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
+from .fx_utils import COLLECTIVE_ROLES, aliases_its_input, replica_ranks, size_hint
 
 
 def tensor_bytes(value) -> int:
@@ -41,10 +40,20 @@ def _values(arg):
     return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
 
+# torch's flop counter has formulas for the CUDA flash attention ops only; the CPU ones take the same leading
+# arguments (query, key, value; grad_out first in backward) and do the same work
+_COUNTED_AS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        torch.ops.aten._scaled_dot_product_flash_attention_backward,
+}
+
+
 def node_flops(node: fx.Node) -> int:
     """FLOPs of a node by torch's flop counter formulas; 0 for ops it has no formula for."""
     target = node.target
     key = getattr(target, "overloadpacket", None)
+    key = _COUNTED_AS.get(key, key)
     formula = flop_registry.get(key) or flop_registry.get(target)
     if formula is None or node.meta.get("val") is None:
         return 0
@@ -57,7 +66,7 @@ def node_flops(node: fx.Node) -> int:
 
 
 def _is_free(node: fx.Node) -> bool:
-    return node.op != "call_function" or node.target is operator.getitem or is_view(node)
+    return node.op != "call_function" or aliases_its_input(node)
 
 
 def best_time(fn, repeats: int = 5) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -41,6 +43,12 @@ def size_hint(value: int | torch.SymInt) -> int:
 def is_view(node: fx.Node) -> bool:
     """Whether ``node`` is an op whose schema says it returns a view of its input (``view``, ``t``, ``slice``...)."""
     return node.op == "call_function" and isinstance(node.target, OpOverload) and node.target.is_view
+
+
+def aliases_its_input(node: fx.Node) -> bool:
+    """Whether ``node`` writes nothing: a view of its input, or one element of a multi-output op's tuple
+    (``operator.getitem``)."""
+    return is_view(node) or (node.op == "call_function" and node.target is operator.getitem)
 
 
 def replica_ranks(node: fx.Node) -> int | None:

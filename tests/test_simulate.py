@@ -1,17 +1,19 @@
 """fxshard.simulate: the alpha-beta timeline of the scheduled graphs (graph-only, fake process group)."""
 
 import dataclasses
+import operator
 
 import pytest
 import torch
 
 import fxshard
 import scenarios
+from fxshard.passes.cost_model import node_flops
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES
 from fxshard.simulate import Machine, calibrate, simulate
 from fxshard.simulate.calibration import (
-    _without_collectives, _zeros_for_placeholders, fit_bandwidth, fit_collective_overhead, fit_op_overhead,
-    fit_overlap, fit_ring, fit_step, fit_step_overhead, serialized,
+    _without_collectives, _zeros_for_placeholders, fit_bandwidth, fit_collective_overhead, fit_flops,
+    fit_op_overhead, fit_overlap, fit_ring, fit_step, fit_step_overhead, serialized, without_flop_ops,
 )
 from fxshard.simulate.simulator import collective_seconds, compute_nodes, compute_seconds
 
@@ -166,15 +168,19 @@ def _graphs(backend):
 def test_fit_step_recovers_the_overheads_and_predicts_another_configuration(stage3):
     """Timings made by a known machine at stage 3 with prefetch: the fits recover its overheads, and the fitted
     machine predicts stage 3 without prefetch and stage 0 as the known one does."""
-    truth = dataclasses.replace(SLOW_NET, op_overhead=2e-5, collective_overhead=7e-4, overlap=0.4,
-                                step_overhead=3e-3)
+    truth = dataclasses.replace(SLOW_NET, flops_per_s=SLOW_NET.flops_per_s / 3, op_overhead=2e-5,
+                                collective_overhead=7e-4, overlap=0.4, step_overhead=3e-3)
     graphs = _graphs(stage3[1])
     compute_only = sum(compute_seconds(node, truth) for gm in graphs for node in compute_nodes(gm))
+    # the FLOP-counted ops left empty: each an op that writes nothing
+    without_flops = sum(truth.op_overhead if node_flops(node) else compute_seconds(node, truth)
+                        for gm in graphs for node in compute_nodes(gm))
     no_step = dataclasses.replace(truth, step_overhead=0.0)
     serial = simulate([serialized(gm) for gm in graphs], 2, machine=no_step).step_time
     scheduled = simulate(graphs, 2, machine=no_step).step_time
     step = simulate(stage3[1], 2, machine=truth).step_time
-    fitted = fit_step(SLOW_NET, stage3[1], 2, compute_only, serial, scheduled, step)
+    fitted = fit_step(SLOW_NET, stage3[1], 2, compute_only, without_flops, serial, scheduled, step)
+    assert fitted.flops_per_s == pytest.approx(truth.flops_per_s, rel=1e-6)
     assert fitted.op_overhead == pytest.approx(2e-5, rel=1e-6)
     assert fitted.collective_overhead == pytest.approx(7e-4, rel=1e-6)
     assert fitted.overlap == pytest.approx(0.4, rel=1e-6)
@@ -187,6 +193,9 @@ def test_fit_step_recovers_the_overheads_and_predicts_another_configuration(stag
 def test_fits_clip_at_zero_when_the_model_already_explains_the_time(stage3):
     graphs = _graphs(stage3[1])
     assert fit_op_overhead(graphs, 0.0, SLOW_NET) == 0.0
+    # replays that do not tell the FLOP-counted ops apart keep the matmul benchmark's rate
+    assert fit_flops(graphs, 1.0, 1.0, SLOW_NET) == SLOW_NET.flops_per_s
+    assert fit_flops(_graphs(scenarios.compiled_model("chain", 3)), 2.0, 1.0, SLOW_NET) > 0
     assert fit_collective_overhead(graphs, 2, 1e-9, SLOW_NET) == 0.0
     assert fit_overlap(graphs, 2, 1e-9, SLOW_NET) == 1.0  # faster than full overlap predicts
     assert fit_overlap(graphs, 2, 1e9, SLOW_NET) == 0.0  # slower than none
@@ -216,6 +225,22 @@ def test_graphs_without_collectives_run_on_one_process(stage3):
             1 for node in gm.graph.nodes if node.meta.get("fxshard", {}).get("role") in COLLECTIVE_ROLES)
         with torch.no_grad():
             compute_only(*_zeros_for_placeholders(gm))
+
+
+def test_graphs_without_flop_ops_leave_their_outputs_empty_and_run_on_one_process():
+    """What calibrate replays beside the compute to time the matmuls and attention apart: none of them left, one
+    empty tensor in place of each of their outputs (attention has two in forward, three in backward)."""
+    for gm in (_without_collectives(gm) for gm in _graphs(scenarios.compiled_model("gpt", 3))):
+        counted = [node for node in gm.graph.nodes if node.op == "call_function" and node_flops(node)]
+        assert counted
+        outputs = sum(len([u for u in node.users if u.target is operator.getitem]) or 1 for node in counted)
+        left = without_flop_ops(gm)
+        assert not [node for node in left.graph.nodes if node.op == "call_function" and node_flops(node)]
+        empties = [node for node in left.graph.nodes if node.target is torch.ops.aten.empty_strided.default]
+        before = [node for node in gm.graph.nodes if node.target is torch.ops.aten.empty_strided.default]
+        assert len(empties) - len(before) == outputs
+        with torch.no_grad():
+            left(*_zeros_for_placeholders(gm))
 
 
 PHASES = set("BEXiIbneSTpFsftPNODCMRc")  # the Trace Event Format's phase letters

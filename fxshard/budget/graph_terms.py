@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES, FUNCTIONAL_COLLECTIVES, is_view, replica_ranks, size_hint
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES, FUNCTIONAL_COLLECTIVES, aliases_its_input, replica_ranks, size_hint
 from fxshard.torch_compat import (
     LocalSource,
     SavedForBackwardsAOTOutput,
@@ -235,7 +235,7 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes,
 def _storage_root(node: fx.Node, roots: dict) -> fx.Node:
     # wait_tensor returns the very tensor its collective wrote into
     waits = node.op == "call_function" and node.target is c10d_functional.wait_tensor.default
-    if is_view(node) or waits or (node.op == "call_function" and node.target is operator.getitem):
+    if aliases_its_input(node) or waits:
         source = node.args[0]
         if isinstance(source, fx.Node):
             return roots.get(source, source)

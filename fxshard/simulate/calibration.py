@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 import statistics
 import time
 import warnings
@@ -18,7 +19,8 @@ import torch
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES
+from fxshard.passes.cost_model import node_flops
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES, size_hint
 from fxshard.torch_compat import c10d_functional
 
 from .simulator import WAIT, Machine, collective_role, compute_nodes, compute_seconds, graphs_of, simulate
@@ -75,6 +77,18 @@ def fit_bandwidth(full_bytes, seconds, world: int) -> float:
         raise FxShardError(f"collective time does not grow with size (bytes: seconds "
                            f"{dict(zip(full_bytes, seconds))}): calibrate with more repeats or a larger largest size")
     return 1.0 / slope
+
+
+def fit_flops(graphs, seconds: float, seconds_without_flops: float, machine: Machine) -> float:
+    """FLOP/s of the ops of ``graphs`` that torch's flop counter knows (matmuls, attention), at the graphs' own
+    shapes: their FLOPs over their share of a replay, ``seconds`` for the whole graphs less
+    ``seconds_without_flops`` for the same graphs with those ops' outputs left empty
+    (:func:`without_flop_ops`). ``machine``'s own when the graphs count no FLOPs or the replays do not tell
+    them apart."""
+    flops = sum(node_flops(node) for gm in graphs for node in compute_nodes(gm))
+    if not flops or seconds <= seconds_without_flops:
+        return machine.flops_per_s
+    return flops / (seconds - seconds_without_flops)
 
 
 def fit_op_overhead(graphs, seconds: float, machine: Machine) -> float:
@@ -150,14 +164,17 @@ def fit_step_overhead(source, world: int, seconds: float, machine: Machine) -> f
     return max(0.0, seconds - modelled)
 
 
-def fit_step(machine: Machine, backend, world: int, compute_only: float, serial: float, scheduled: float,
-             step: float) -> Machine:
-    """``machine`` with its overheads and overlap fitted to ``backend``'s step on ``world`` ranks, each fit on the
-    ones before: ``op_overhead`` to its forward and backward graphs taking ``compute_only`` seconds without their
-    collectives; ``collective_overhead`` to them taking ``serial`` seconds with each collective waited for as soon
-    as it is issued, and ``overlap`` to them taking ``scheduled`` seconds as scheduled (both unchanged when the
-    graphs have no collectives); ``step_overhead`` to the whole step taking ``step`` seconds."""
+def fit_step(machine: Machine, backend, world: int, compute_only: float, without_flops: float, serial: float,
+             scheduled: float, step: float) -> Machine:
+    """``machine`` with its compute rates, overheads and overlap fitted to ``backend``'s step on ``world`` ranks,
+    each fit on the ones before: ``flops_per_s`` to its forward and backward graphs taking ``compute_only``
+    seconds without their collectives and ``without_flops`` seconds without their FLOP-counted ops too
+    (:func:`fit_flops`), ``op_overhead`` to the first; ``collective_overhead`` to them taking ``serial`` seconds
+    with each collective waited for as soon as it is issued, and ``overlap`` to them taking ``scheduled`` seconds
+    as scheduled (both unchanged when the graphs have no collectives); ``step_overhead`` to the whole step taking
+    ``step`` seconds."""
     graphs = [gm for _, gm in graphs_of(backend)[0]]
+    machine = dataclasses.replace(machine, flops_per_s=fit_flops(graphs, compute_only, without_flops, machine))
     machine = dataclasses.replace(machine, op_overhead=fit_op_overhead(graphs, compute_only, machine))
     if any(collective_role(node) in COLLECTIVE_ROLES for gm in graphs for node in gm.graph.nodes):
         overhead = fit_collective_overhead([serialized(gm) for gm in graphs], world, serial, machine)
@@ -197,21 +214,41 @@ def serialized(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def _leave_empty(graph: fx.Graph, node: fx.Node) -> None:
+    """Replace ``node`` by an empty tensor of its output's shape, strides and dtype (the views after it rely on
+    them); a node with several outputs, each getitem of it by one of its own."""
+    for target in [user for user in node.users if user.target is operator.getitem] or [node]:
+        val = target.meta["val"]
+        with graph.inserting_before(node):
+            stand_in = graph.call_function(torch.ops.aten.empty_strided.default,
+                                           ([size_hint(size) for size in val.shape],
+                                            [size_hint(stride) for stride in val.stride()]), {"dtype": val.dtype})
+        target.replace_all_uses_with(stand_in)
+        if target is not node:
+            graph.erase_node(target)
+    graph.erase_node(node)
+
+
 def _without_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose collectives are empty tensors of their output's shape and whose waits are gone:
     the graph's compute alone, runnable on one rank."""
     graph = _copy(gm)
     for node in list(graph.nodes):
         if collective_role(node) in COLLECTIVE_ROLES:
-            val = node.meta["val"]
-            with graph.inserting_before(node):
-                stand_in = graph.call_function(torch.ops.aten.empty.memory_format, ([int(s) for s in val.shape],),
-                                               {"dtype": val.dtype})
-            node.replace_all_uses_with(stand_in)
-            graph.erase_node(node)
+            _leave_empty(graph, node)
         elif node.op == "call_function" and node.target is WAIT:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
+    return fx.GraphModule(gm, graph)
+
+
+def without_flop_ops(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose FLOP-counted ops (matmuls, attention) are empty tensors of their outputs' shapes:
+    replayed beside ``gm``, what those ops take apart from the rest (:func:`fit_flops`)."""
+    graph = _copy(gm)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node_flops(node):
+            _leave_empty(graph, node)
     return fx.GraphModule(gm, graph)
 
 
@@ -270,9 +307,11 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     barrier.
 
     With ``backend`` (one that ran a step) and ``step`` (a callable running one whole training step of it: forward,
-    backward, optimizer step, zero_grad; called ``steps + 1`` times, so it trains), four fits, each on the ones
+    backward, optimizer step, zero_grad; called ``steps + 1`` times, so it trains), five fits, each on the ones
     before, from the backend's forward and backward graphs replayed on zero inputs and from real steps:
-    ``op_overhead`` (:func:`fit_op_overhead`) from the median of ``repeats`` replays without the collectives;
+    ``flops_per_s`` (:func:`fit_flops`: the graphs' own matmuls and attention, at their shapes, with every rank
+    at work) from the medians of ``repeats`` replays without the collectives, and without the FLOP-counted ops as
+    well (:func:`without_flop_ops`); ``op_overhead`` (:func:`fit_op_overhead`) from the first;
     ``collective_overhead`` (:func:`fit_collective_overhead`) from replays with them, each waited for as soon as it
     is issued (:func:`serialized`), where a collective contends with compute for the cores; ``overlap``
     (:func:`fit_overlap`) from replays as scheduled (both keep the ring's values when the graphs have no
@@ -308,8 +347,10 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
             repeats, barrier)
     if backend is not None:
         graphs = [gm for _, gm in graphs_of(backend)[0]]
+        compute_only = [_without_collectives(gm) for gm in graphs]
         # after a barrier, every rank replaying at once: compute shares the cores as in a step
-        measured.append(_median_seconds(_replay([_without_collectives(gm) for gm in graphs]), repeats, before=barrier))
+        measured += _interleaved_medians([_replay(compute_only), _replay([without_flop_ops(gm) for gm in compute_only])],
+                                         repeats, barrier)
         measured += _interleaved_medians([_replay([serialized(gm) for gm in graphs]), _replay(graphs), step], steps,
                                          barrier)
     averaged = torch.tensor(measured, dtype=torch.float64)

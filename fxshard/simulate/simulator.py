@@ -43,7 +43,7 @@ from torch import fx
 from fxshard.budget.symbols import N
 from fxshard.errors import FxShardError
 from fxshard.passes.cost_model import node_flops, tensor_bytes
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES, is_view, replica_ranks, size_hint
+from fxshard.passes.fx_utils import COLLECTIVE_ROLES, aliases_its_input, replica_ranks, size_hint
 from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_nodes, packing_saves, wire_bytes
 from fxshard.torch_compat import c10d_functional
 
@@ -104,12 +104,13 @@ class Machine:
             latency=self.latency if self.node_latency is None else self.node_latency)
 
 
-GLOO_ON_CPU = Machine(flops_per_s=1.66e11, memory_bandwidth=7.4e9, bandwidth=7.9e8, latency=0.0,
-                      collective_overhead=1.5e-3, op_overhead=2.0e-5, overlap=0.44, all_to_all_bandwidth=1.25e9)
+GLOO_ON_CPU = Machine(flops_per_s=8.75e10, memory_bandwidth=1.0e10, bandwidth=9.75e8, latency=0.0,
+                      collective_overhead=2.1e-3, op_overhead=9.0e-6, overlap=0.48, all_to_all_bandwidth=1.27e9)
 """gloo between processes of one host, one CPU thread per rank: ``calibrate`` on a 2-core x86 VM, 2 ranks, the
 benchmark GPT at stage 3 (docs/simulate.md, 2026-12-06). What sets it apart: the per-collective overhead (about
-1.5 ms), an all-to-all half again as fast as an all-gather, and less than half of a collective's time hidden by
-compute (the rest takes the cores compute runs on)."""
+2 ms), an all-to-all a third faster than an all-gather, less than half of a collective's time hidden by compute
+(the rest takes the cores compute runs on), and the model's own matmuls at about half the FLOP/s of 512x512
+squares."""
 
 NCCL_ON_GPU = Machine(flops_per_s=5e13, memory_bandwidth=2e12, bandwidth=5e10, latency=5e-6,
                       collective_overhead=2e-5)
@@ -190,11 +191,11 @@ class Timeline:
 
 def compute_seconds(node: fx.Node, machine: Machine) -> float:
     """``flops / flops_per_s`` where torch's flop counter knows the op, else its bytes written / ``memory_bandwidth``
-    (none for a view), plus ``op_overhead``."""
+    (none for a view or a getitem of a multi-output op's result), plus ``op_overhead``."""
     flops = node_flops(node)
     if flops:
         return flops / machine.flops_per_s + machine.op_overhead
-    written = 0 if is_view(node) else tensor_bytes(node.meta.get("val"))
+    written = 0 if aliases_its_input(node) else tensor_bytes(node.meta.get("val"))
     return written / machine.memory_bandwidth + machine.op_overhead
 
 
