@@ -36,8 +36,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
     "aot_module_simplified", "c10d_functional", "concatenate_meshes", "ConstantSource", "dcp_flat_keys",
-    "default_store", "detect_fake_mode", "fake_store", "flatten_optimizer_state_dict", "gloo_threads",
-    "gloo_with_options", "inductor_backward", "inductor_compiler_config", "inductor_decompositions",
+    "default_store", "detect_fake_mode", "fake_store", "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS",
+    "gloo_threads", "gloo_with_options", "inductor_backward", "inductor_compiler_config", "inductor_decompositions",
     "inductor_forward", "is_backend_registered", "LocalSource", "make_boxed_func",
     "min_cut_rematerialization_partition", "model_outputs", "OpOverload", "profiled_ops", "ProfiledOp",
     "register_log", "resolve_group", "SavedForBackwardsAOTOutput", "ShortenTraceback", "strided_shard",
@@ -48,6 +48,15 @@ __all__ = [
 # The functional collectives' op namespace: what fxshard's graphs hold (all_gather_into_tensor, reduce_scatter_tensor,
 # all_reduce, all_to_all_single, wait_tensor). Its name is private; its ops have been stable since torch 2.3.
 c10d_functional = torch.ops._c10d_functional
+
+# torch's flop counter has formulas for the CUDA flash attention ops only; the CPU ones (private names, on every
+# release from 2.11 to 2.15) take the same leading arguments (query, key, value; grad_out first in backward) and
+# do the same work
+FLOPS_COUNTED_AS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        torch.ops.aten._scaled_dot_product_flash_attention_backward,
+}
 
 _hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
 

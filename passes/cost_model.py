@@ -24,7 +24,7 @@ import time
 
 import torch
 from torch import fx
-from fxshard.torch_compat import tree_flatten, tree_map
+from fxshard.torch_compat import FLOPS_COUNTED_AS, tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from .fx_utils import COLLECTIVE_ROLES, aliases_its_input, replica_ranks, size_hint
@@ -40,20 +40,11 @@ def _values(arg):
     return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
 
-# torch's flop counter has formulas for the CUDA flash attention ops only; the CPU ones take the same leading
-# arguments (query, key, value; grad_out first in backward) and do the same work
-_COUNTED_AS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ops.aten._scaled_dot_product_flash_attention,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        torch.ops.aten._scaled_dot_product_flash_attention_backward,
-}
-
-
 def node_flops(node: fx.Node) -> int:
     """FLOPs of a node by torch's flop counter formulas; 0 for ops it has no formula for."""
     target = node.target
     key = getattr(target, "overloadpacket", None)
-    key = _COUNTED_AS.get(key, key)
+    key = FLOPS_COUNTED_AS.get(key, key)
     formula = flop_registry.get(key) or flop_registry.get(target)
     if formula is None or node.meta.get("val") is None:
         return 0
