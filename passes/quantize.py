@@ -116,9 +116,9 @@ class QuantizedNodes:
 
     def _unpadded(self, grid: fx.Node, shape: tuple[int, int], dtype: torch.dtype) -> fx.Node:
         """The [r, n] values of ``grid`` ([r, blocks, block] fp32) in ``dtype``, the last block's padding dropped, a
-        tensor of its own. Not a view of the grid as [r, blocks x block] sliced to n: torch 2.13's Inductor compiles
-        that crop of a merged view into a loop over whole blocks only (n // block of them), and the rest of each row
-        is never written. The whole blocks and the last one's values are cut apart and joined instead."""
+        tensor of its own. Not a view of the grid as [r, blocks x block] sliced to n: Inductor (torch 2.13, 2.15)
+        compiles that crop of a merged view into a loop over whole blocks only (n // block of them), and the rest of
+        each row is never written. The whole blocks and the last one's values are cut apart and joined instead."""
         emit = self.emit
 
         def as_dtype(values: fx.Node) -> fx.Node:
