@@ -15,11 +15,36 @@ from fxshard.report.trace import trace_pass
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 
+class _Snapshot:
+    """A copy of a graph as it stood after a pass, made a GraphModule when first read: building one generates and
+    compiles its Python code, which costs about as much as the copy, and most snapshots are never read."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self._root: fx.GraphModule | None = gm  # where the copy's get_attr targets live
+        self._graph = _copied_graph(gm)
+        self._module: fx.GraphModule | None = None
+
+    def module(self) -> fx.GraphModule:
+        if self._module is None:
+            self._module, self._root = fx.GraphModule(self._root, self._graph), None
+        return self._module
+
+
 @dataclasses.dataclass
 class PassRecord:
+    """One pass over a graph: its name, and copies of the graph before and after it (``before``, ``after``)."""
+
     name: str
-    before: fx.GraphModule
-    after: fx.GraphModule
+    _before: _Snapshot
+    _after: _Snapshot
+
+    @property
+    def before(self) -> fx.GraphModule:
+        return self._before.module()
+
+    @property
+    def after(self) -> fx.GraphModule:
+        return self._after.module()
 
 
 @dataclasses.dataclass
@@ -32,7 +57,7 @@ class GraphRecord:
     final: fx.GraphModule | None = None
 
 
-def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+def _copied_graph(gm: fx.GraphModule) -> fx.Graph:
     with warnings.catch_warnings():  # torch 2.13's pytree warns about its own LeafSpec while copying codegen
         warnings.simplefilter("ignore", FutureWarning)
         graph = copy.deepcopy(gm.graph)
@@ -41,18 +66,18 @@ def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     for node in graph.nodes:
         if "fxshard" in node.meta:
             node.meta["fxshard"] = copy.deepcopy(node.meta["fxshard"])
-    return fx.GraphModule(gm, graph)
+    return graph
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], record: GraphRecord) -> fx.GraphModule:
     """Run ``passes`` over ``gm`` in order, recording each pass's graphs in ``record`` and in torch's logs
     (``fxshard.report.trace``)."""
     trace_pass(record.kind, record.graph_id, 0, "input", gm)
-    before = copy_graph(gm)
+    before = _Snapshot(gm)
     for index, pass_fn in enumerate(passes, start=1):
         name = getattr(pass_fn, "__name__", repr(pass_fn))
         gm = pass_fn(gm, ctx)
-        after = copy_graph(gm)
+        after = _Snapshot(gm)
         record.passes.append(PassRecord(name, before, after))  # one pass's after is the next one's before
         before = after
         trace_pass(record.kind, record.graph_id, index, name, gm)
@@ -62,7 +87,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], rec
 
 def trial_run(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> fx.GraphModule:
     """``passes`` over a copy of ``gm``, recorded nowhere: what the pipeline would make of it under ``ctx``."""
-    trial = copy_graph(gm)
+    trial = fx.GraphModule(gm, _copied_graph(gm))
     for pass_fn in passes:
         trial = pass_fn(trial, ctx)
     return trial
