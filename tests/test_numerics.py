@@ -43,12 +43,14 @@ def assert_matches_reference(result: dict, optimizer: str) -> None:
         assert relative_error(update, want_update) <= ADAMW_UPDATE_TOLERANCE, name
 
 
-# mlp_uneven: no dimension divisible by 2 or 3, so every shard is padded (SGD checks that at full precision).
+# mlp_uneven: no dimension divisible by 2 or 3, so every shard is padded (SGD checks that at full precision). The
+# GPT with AdamW at world 2 runs in test_stages.py, beside the other stages it must equal bit for bit.
 CASES = [("mlp", "sgd"), ("mlp", "adamw"), ("gpt", "sgd"), ("gpt", "adamw"), ("mlp_uneven", "sgd")]
+WORLD_CASES = [(world_size, *case) for world_size in (2, 3) for case in CASES
+               if (world_size, *case) != (2, "gpt", "adamw")]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("model, optimizer", CASES)
+@pytest.mark.parametrize("world_size, model, optimizer", WORLD_CASES)
 def test_compiled_stage3_matches_single_process(pools, world_size, model, optimizer):
     results = pools(world_size).run(scenarios.train_against_reference, model, optimizer, STEPS)
     for result in results:

@@ -23,9 +23,10 @@ def gpt_runs_world2(pools):
     return {s: pools(2).run(scenarios.train_against_reference, "gpt", "adamw", STEPS, stage=s)[0] for s in STAGES}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", STAGES)
 def test_stage_matches_single_process_with_adamw_at_world_2(gpt_runs_world2, stage):
     assert_matches_reference(gpt_runs_world2[stage], "adamw")
+    assert gpt_runs_world2[stage]["compiled_graphs"] == [(0, "backward"), (0, "forward"), (0, "joint")]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
