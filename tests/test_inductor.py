@@ -58,8 +58,9 @@ def test_inductor_trains_the_other_stages_like_a_single_process(pools, stage):
 
 
 def int8_training(compiler: str) -> dict:
-    """Stage 3 SGD on the MLP with int8 weights and gradients (blocks of 32: every row packs smaller), compiled by
-    ``compiler``: the losses, how many packing nodes its graphs hold, and how many modules Inductor generated."""
+    """Stage 3 SGD on the MLP with int8 weights and gradients compiled by ``compiler`` (blocks of 32: its rows pack
+    smaller, and end in a partial block): the losses, how many packing nodes its graphs hold, and how many modules
+    Inductor generated."""
     def train() -> dict:
         torch._dynamo.reset()
         rank, world = rank_and_world()
@@ -77,9 +78,9 @@ def int8_training(compiler: str) -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        packing = sum(node.meta.get("fxshard", {}).get("role") == "quantize"
+        quantizing = sum(node.meta.get("fxshard", {}).get("role") == "quantize"
                       for record in backend.graphs if record.final is not None for node in record.final.graph.nodes)
-        return {"losses": losses, "packing_nodes": packing}
+        return {"losses": losses, "quantize_nodes": quantizing}
 
     if compiler != "inductor":
         return {**train(), "generated_modules": 0}
@@ -90,7 +91,7 @@ def int8_training(compiler: str) -> dict:
 def test_inductor_compiles_int8_packing_and_trains_as_the_graphs_run_op_by_op(pools):
     pool = pools(2)
     for eager, inductor in zip(pool.run(int8_training, "eager"), pool.run(int8_training, "inductor"), strict=True):
-        assert eager["packing_nodes"] > 0 and inductor["packing_nodes"] > 0
+        assert eager["quantize_nodes"] > 0 and inductor["quantize_nodes"] > 0
         assert inductor["generated_modules"] == 2  # Inductor compiled forward and backward, packing inside them
         # Inductor fuses the packing into its neighbours; the values it packs and unpacks are the op-by-op ones
         assert inductor["losses"] == pytest.approx(eager["losses"], rel=1e-5)

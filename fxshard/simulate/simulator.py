@@ -87,7 +87,7 @@ class Machine:
     host: the kernel copies every byte through its sockets). The rest holds the compute stream as well."""
     all_to_all_bandwidth: float | None = None
     """Bytes/s per rank of an all-to-all: fxshard's reduce-scatter on gloo and every quantized one, each rank
-    sending its rows to every peer at once (gloo moves them about half again as fast as an all-gather's); None:
+    sending its rows to every peer at once (gloo on one host moves them 1.3-1.6x as fast as an all-gather's); None:
     ``bandwidth``."""
 
     def across_replicas(self) -> Machine:
