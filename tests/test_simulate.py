@@ -195,7 +195,9 @@ def test_fits_clip_at_zero_when_the_model_already_explains_the_time(stage3):
     assert fit_op_overhead(graphs, 0.0, SLOW_NET) == 0.0
     # replays that do not tell the FLOP-counted ops apart keep the matmul benchmark's rate
     assert fit_flops(graphs, 1.0, 1.0, SLOW_NET) == SLOW_NET.flops_per_s
-    assert fit_flops(_graphs(scenarios.compiled_model("chain", 3)), 2.0, 1.0, SLOW_NET) > 0
+    chain = _graphs(scenarios.compiled_model("chain", 3))
+    flops = sum(node_flops(node) for gm in chain for node in compute_nodes(gm))
+    assert flops > 0 and fit_flops(chain, 2.0, 1.0, SLOW_NET) == flops  # their FLOPs over the 1 s between
     assert fit_collective_overhead(graphs, 2, 1e-9, SLOW_NET) == 0.0
     assert fit_overlap(graphs, 2, 1e-9, SLOW_NET) == 1.0  # faster than full overlap predicts
     assert fit_overlap(graphs, 2, 1e9, SLOW_NET) == 0.0  # slower than none

@@ -14,7 +14,8 @@ import torch
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES, FUNCTIONAL_COLLECTIVES, aliases_its_input, replica_ranks, size_hint
+from fxshard.passes.fx_utils import (COLLECTIVE_ROLES, FUNCTIONAL_COLLECTIVES, aliases_its_input, replica_ranks,
+                                     size_hint)
 from fxshard.torch_compat import (
     LocalSource,
     SavedForBackwardsAOTOutput,

@@ -21,7 +21,7 @@ class _Snapshot:
 
     def __init__(self, gm: fx.GraphModule):
         self._root: fx.GraphModule | None = gm  # where the copy's get_attr targets live
-        self._graph = _copied_graph(gm)
+        self._graph = copied_graph(gm)
         self._module: fx.GraphModule | None = None
 
     def module(self) -> fx.GraphModule:
@@ -57,7 +57,8 @@ class GraphRecord:
     final: fx.GraphModule | None = None
 
 
-def _copied_graph(gm: fx.GraphModule) -> fx.Graph:
+def copied_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A deep copy of ``gm``'s graph whose nodes' ``meta["fxshard"]`` records are copies too."""
     with warnings.catch_warnings():  # torch 2.13's pytree warns about its own LeafSpec while copying codegen
         warnings.simplefilter("ignore", FutureWarning)
         graph = copy.deepcopy(gm.graph)
@@ -87,7 +88,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], rec
 
 def trial_run(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> fx.GraphModule:
     """``passes`` over a copy of ``gm``, recorded nowhere: what the pipeline would make of it under ``ctx``."""
-    trial = fx.GraphModule(gm, _copied_graph(gm))
+    trial = fx.GraphModule(gm, copied_graph(gm))
     for pass_fn in passes:
         trial = pass_fn(trial, ctx)
     return trial

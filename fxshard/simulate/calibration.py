@@ -7,17 +7,16 @@ how). The fits are pure functions, testable on synthetic timings.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import operator
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch import fx
 
+from fxshard.compiler.pipeline import copied_graph
 from fxshard.errors import FxShardError
 from fxshard.passes.cost_model import node_flops
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES, size_hint
@@ -193,21 +192,14 @@ def _zeros_for_placeholders(gm: fx.GraphModule) -> list[torch.Tensor]:
         if not isinstance(val, torch.Tensor):
             raise FxShardError(f"cannot replay graph input {node.name}: it has no traced tensor value (got "
                                f"{type(val).__name__}); calibrate without backend= to skip the replay")
-        shape = [getattr(size.node, "hint", size) if isinstance(size, torch.SymInt) else size for size in val.shape]
-        values.append(torch.zeros([int(size) for size in shape], dtype=val.dtype))
+        values.append(torch.zeros([size_hint(size) for size in val.shape], dtype=val.dtype))
     return values
-
-
-def _copy(gm: fx.GraphModule) -> fx.Graph:
-    with warnings.catch_warnings():  # torch 2.13's pytree warns about its own LeafSpec while copying codegen
-        warnings.simplefilter("ignore", FutureWarning)
-        return copy.deepcopy(gm.graph)
 
 
 def serialized(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` in which every collective is waited for as soon as it is issued: nothing it sends can
     overlap compute, whatever the machine (what :func:`fit_collective_overhead` times)."""
-    graph = _copy(gm)
+    graph = copied_graph(gm)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is WAIT:
             node.args[0].append(node)
@@ -232,7 +224,7 @@ def _leave_empty(graph: fx.Graph, node: fx.Node) -> None:
 def _without_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose collectives are empty tensors of their output's shape and whose waits are gone:
     the graph's compute alone, runnable on one rank."""
-    graph = _copy(gm)
+    graph = copied_graph(gm)
     for node in list(graph.nodes):
         if collective_role(node) in COLLECTIVE_ROLES:
             _leave_empty(graph, node)
@@ -245,7 +237,7 @@ def _without_collectives(gm: fx.GraphModule) -> fx.GraphModule:
 def without_flop_ops(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose FLOP-counted ops (matmuls, attention) are empty tensors of their outputs' shapes:
     replayed beside ``gm``, what those ops take apart from the rest (:func:`fit_flops`)."""
-    graph = _copy(gm)
+    graph = copied_graph(gm)
     for node in list(graph.nodes):
         if node.op == "call_function" and node_flops(node):
             _leave_empty(graph, node)
@@ -349,8 +341,8 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
         graphs = [gm for _, gm in graphs_of(backend)[0]]
         compute_only = [_without_collectives(gm) for gm in graphs]
         # after a barrier, every rank replaying at once: compute shares the cores as in a step
-        measured += _interleaved_medians([_replay(compute_only), _replay([without_flop_ops(gm) for gm in compute_only])],
-                                         repeats, barrier)
+        without_flops = [without_flop_ops(gm) for gm in compute_only]
+        measured += _interleaved_medians([_replay(compute_only), _replay(without_flops)], repeats, barrier)
         measured += _interleaved_medians([_replay([serialized(gm) for gm in graphs]), _replay(graphs), step], steps,
                                          barrier)
     averaged = torch.tensor(measured, dtype=torch.float64)
