@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import inspect
 
 import torch
@@ -35,10 +36,10 @@ from torch.fx.experimental import symbolic_shapes
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
-    "aot_module_simplified", "c10d_functional", "concatenate_meshes", "ConstantSource", "dcp_flat_keys",
+    "after_grad_scaler_inf_check", "aot_module_simplified", "c10d_functional", "concatenate_meshes", "ConstantSource", "dcp_flat_keys",
     "default_store", "detect_fake_mode", "fake_store", "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS",
     "gloo_threads", "gloo_with_options", "inductor_backward", "inductor_compiler_config", "inductor_decompositions",
-    "inductor_forward", "is_backend_registered", "LocalSource", "make_boxed_func",
+    "inductor_forward", "inductor_partition", "inductor_virtualized", "is_backend_registered", "LocalSource", "make_boxed_func",
     "min_cut_rematerialization_partition", "model_outputs", "OpOverload", "profiled_ops", "ProfiledOp",
     "register_log", "resolve_group", "SavedForBackwardsAOTOutput", "ShortenTraceback", "strided_shard",
     "TensorProperty", "TensorPropertySource", "trace_log", "trace_structured", "traced_size", "tree_flatten",
@@ -93,6 +94,23 @@ def inductor_forward(gm, example_inputs, *, model_outputs: int, model_inputs: in
                                          is_inference=inference)
 
 
+def inductor_virtualized(example_inputs):
+    """The context Inductor's passes expect around AOT autograd (``torch._inductor.virtualized.V``'s fake mode, which
+    its joint-graph passes create seeds and pattern values under): the fake mode of the graph's example inputs."""
+    from torch._inductor.virtualized import V
+
+    return V.set_fake_mode(detect_fake_mode(example_inputs))
+
+
+def inductor_partition(joint: torch.fx.GraphModule, joint_inputs, **kwargs):
+    """Inductor's partition of a joint graph, as ``torch.compile(backend="inductor")`` partitions it: its joint-graph
+    passes first (random ops replaced by seeded ones that backward can replay, pattern rewrites), then the min-cut
+    partitioner with Inductor's rules for what is cheap to recompute."""
+    from torch._inductor import compile_fx
+
+    return compile_fx.partition_fn(joint, joint_inputs, **kwargs)
+
+
 def inductor_backward(gm, example_inputs, *, config):
     from torch._inductor import compile_fx
 
@@ -127,6 +145,27 @@ def profiled_ops(profiled: torch.profiler.profile) -> list[ProfiledOp]:
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     """The live process group registered under ``group_name``; RuntimeError or ValueError once it is destroyed."""
     return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def after_grad_scaler_inf_check(hook) -> None:
+    """Call ``hook(optimizer, found_inf_per_device)`` each time a ``torch.amp.GradScaler`` (``torch.cuda.amp``'s
+    too) has unscaled an optimizer's gradients and flagged inf/NaN, before it decides to step: its private
+    ``_unscale_grads_`` is what both ``unscale_`` and ``step`` call. ``ShardedGradScaler`` has a method of its own
+    and reduces its flags itself. Installed once per hook."""
+    from torch.amp import GradScaler
+
+    checked = GradScaler._unscale_grads_
+    if hook in getattr(checked, "fxshard_hooks", ()):
+        return
+
+    @functools.wraps(checked)
+    def unscale_grads(self, optimizer, inv_scale, found_inf, allow_fp16):
+        found_inf_per_device = checked(self, optimizer, inv_scale, found_inf, allow_fp16)
+        hook(optimizer, found_inf_per_device)
+        return found_inf_per_device
+
+    unscale_grads.fxshard_hooks = (*getattr(checked, "fxshard_hooks", ()), hook)
+    GradScaler._unscale_grads_ = unscale_grads
 
 
 def default_store() -> dist.Store:

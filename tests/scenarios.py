@@ -801,19 +801,21 @@ def _scaled_sgd_step(scaler, optimizer, module, x1: torch.Tensor, x2: torch.Tens
     return scaler.get_scale()
 
 
-def train_with_sharded_grad_scaler(stage: int, steps: int = 3) -> dict:
-    """Loss scaling with torch's ShardedGradScaler beside one process with a GradScaler on the whole batch. In the
-    first step the last rank's slice overflows the first half of ``b``'s gradient: after the reduce-scatter only
-    the rank holding that half sees the inf. Returns each step's scale and both models' parameters."""
+def train_with_grad_scaler(stage: int, scaler_class: str, steps: int = 3) -> dict:
+    """Loss scaling with torch's ``GradScaler`` or ``ShardedGradScaler`` (``scaler_class``) beside one process with
+    a GradScaler on the whole batch. In the first step the last rank's slice overflows the first half of ``b``'s
+    gradient: at stage 1 only that rank's gradients hold the inf, after a reduce-scatter (stages 2, 3) only the rank
+    holding that half. Returns each step's scale and both models' parameters."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+    scaler_of = {"GradScaler": torch.amp.GradScaler, "ShardedGradScaler": ShardedGradScaler}[scaler_class]
     rank, world = rank_and_world()
     model, reference = TwoScales(), TwoScales()
     reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     reference_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     backend = fxshard.backend(compiler="eager", stage=stage)
     model, opt = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+    scaler = scaler_of("cpu", init_scale=1024.0)
     run = torch.compile(model, backend=backend, fullgraph=True)
     scales, reference_scales = [], []
     local = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)

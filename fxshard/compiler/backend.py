@@ -259,17 +259,18 @@ class Backend:
             gm = self._run(context, graph_id, "optimizer", gm)
         inductor = InductorCompiler(gm, example_inputs) if self.compiler == "inductor" else None
         compile_graph = functools.partial(self._compile_graph, context, graph_id, inductor)
-        compiled = aot_module_simplified(
-            gm,
-            example_inputs,
-            fw_compiler=functools.partial(compile_graph, "forward"),
-            bw_compiler=functools.partial(compile_graph, "backward"),
-            inference_compiler=functools.partial(compile_graph, "inference"),
-            partition_fn=functools.partial(self._partition, context, graph_id),
-            # Inductor lowers the decomposed ATen op set; without its table AOT keeps ops that Inductor both
-            # decomposes and has a fallback for, and Inductor rejects the graph (aten.t.default).
-            **({"decompositions": inductor.decompositions} if inductor else {}),
-        )
+        with inductor.around_aot() if inductor else contextlib.nullcontext():
+            compiled = aot_module_simplified(
+                gm,
+                example_inputs,
+                fw_compiler=functools.partial(compile_graph, "forward"),
+                bw_compiler=functools.partial(compile_graph, "backward"),
+                inference_compiler=functools.partial(compile_graph, "inference"),
+                partition_fn=functools.partial(self._partition, context, graph_id, inductor),
+                # Inductor lowers the decomposed ATen op set; without its table AOT keeps ops that Inductor both
+                # decomposes and has a fallback for, and Inductor rejects the graph (aten.t.default).
+                **({"decompositions": inductor.decompositions} if inductor else {}),
+            )
         if not published:
             return compiled
 
@@ -344,9 +345,11 @@ class Backend:
             trace_choice(kind, graph_id, choice)
         return gm
 
-    def _partition(self, context, graph_id, joint: fx.GraphModule, joint_inputs, **kwargs):
+    def _partition(self, context, graph_id, inductor: InductorCompiler | None, joint: fx.GraphModule, joint_inputs,
+                   **kwargs):
         joint = self._run(context, graph_id, "joint", joint)
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        partition = inductor.partition if inductor else min_cut_rematerialization_partition
+        return partition(joint, joint_inputs, **kwargs)
 
     def _compile_graph(self, context, graph_id, inductor: InductorCompiler | None, kind, gm: fx.GraphModule, example_inputs):
         machine = self.machine or default_machine(_device_type(example_inputs))

@@ -9,6 +9,8 @@ from fxshard.torch_compat import (
     inductor_compiler_config,
     inductor_decompositions,
     inductor_forward,
+    inductor_partition,
+    inductor_virtualized,
     model_outputs,
 )
 
@@ -28,6 +30,18 @@ class InductorCompiler:
         self._config = inductor_compiler_config(dynamo_gm)
         self._num_outputs = model_outputs(dynamo_gm)
         self._num_inputs = len(example_inputs)
+        self._example_inputs = example_inputs
+
+    def around_aot(self):
+        """The context AOT autograd runs in, as under ``torch.compile``'s default backend: Inductor's joint-graph
+        passes (in ``partition``) make seeds and pattern values under the graph's fake mode."""
+        return inductor_virtualized(self._example_inputs)
+
+    @staticmethod
+    def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        """The joint graph split into forward and backward as Inductor splits it, after its joint-graph passes:
+        without them a random op (dropout) reaches Inductor's lowering unreplaced and the compile fails."""
+        return inductor_partition(joint, joint_inputs, **kwargs)
 
     def compile(self, kind: str, gm: fx.GraphModule, example_inputs):
         if kind == "backward":

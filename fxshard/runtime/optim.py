@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import unit_of
-from fxshard.torch_compat import ConstantSource
+from fxshard.torch_compat import ConstantSource, after_grad_scaler_inf_check
 from fxshard.torch_compat import c10d_functional as _c10d
 
 from . import optimizer_state_dict
@@ -360,6 +360,28 @@ def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_pre_hook(_refuse_foreign_optimizer)
+
+
+@torch.no_grad()
+def _agree_on_found_inf(optimizer: torch.optim.Optimizer, found_inf_per_device: dict) -> None:
+    """A plain ``torch.amp.GradScaler`` flags inf/NaN in the gradients this rank holds: at stages 1-3 (and stage 0
+    under ``no_sync``) the ranks hold different ones, so an overflow in one rank's part would make that rank alone
+    skip the step and halve its scale. For an optimizer ``prepare`` returned, every rank's flag becomes the largest
+    over the ranks (one all-reduce of one element, every rank checks before it steps), so the ranks skip, step and
+    rescale together, as ``ShardedGradScaler`` and FSDP2's DTensor gradients make them."""
+    step = getattr(optimizer, _SHARDED_STEP, None)
+    if step is None or not found_inf_per_device or not step.leaves:
+        return
+    flags = list(found_inf_per_device.values())
+    group = spec_of(step.leaves[0]).all_ranks_group_name
+    with peer_failures_explained("GradScaler's inf/NaN check"):
+        any_rank = _c10d.wait_tensor(_c10d.all_reduce(torch.stack([f.to(flags[0].device) for f in flags]).amax(),
+                                                      "max", group))
+    for flag in flags:
+        flag.copy_(any_rank)
+
+
+after_grad_scaler_inf_check(_agree_on_found_inf)
 
 
 @torch.no_grad()
