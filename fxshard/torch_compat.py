@@ -42,7 +42,7 @@ __all__ = [
     "inductor_forward", "inductor_partition", "inductor_virtualized", "is_backend_registered", "LocalSource", "make_boxed_func",
     "min_cut_rematerialization_partition", "model_outputs", "OpOverload", "profiled_ops", "ProfiledOp",
     "register_log", "resolve_group", "SavedForBackwardsAOTOutput", "ShortenTraceback", "strided_shard",
-    "TensorProperty", "TensorPropertySource", "trace_log", "trace_structured", "traced_size", "tree_flatten",
+    "TensorProperty", "TensorPropertySource", "total_norm_from", "trace_log", "trace_structured", "traced_size", "tree_flatten",
     "tree_map",
 ]
 
@@ -166,6 +166,32 @@ def after_grad_scaler_inf_check(hook) -> None:
 
     unscale_grads.fxshard_hooks = (*getattr(checked, "fxshard_hooks", ()), hook)
     GradScaler._unscale_grads_ = unscale_grads
+
+
+def total_norm_from(hook) -> None:
+    """``torch.nn.utils.get_total_norm`` (and ``clip_grad_norm_``, which calls it through its module's private
+    ``_get_total_norm``) asks ``hook(tensors, norm_type)`` first and takes a tensor it returns as the total norm;
+    None leaves the computation to torch. ``error_if_nonfinite`` holds either way. Installed once per hook."""
+    from torch.nn.utils import clip_grad
+
+    computed = clip_grad._get_total_norm
+    if hook in getattr(computed, "fxshard_hooks", ()):
+        return
+
+    @functools.wraps(computed)
+    def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        total = hook(listed, float(norm_type)) if listed else None
+        if total is None:
+            return computed(listed, norm_type, error_if_nonfinite, foreach)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped")
+        return total
+
+    get_total_norm.fxshard_hooks = (*getattr(computed, "fxshard_hooks", ()), hook)
+    clip_grad._get_total_norm = get_total_norm
+    torch.nn.utils.get_total_norm = get_total_norm
 
 
 def default_store() -> dist.Store:

@@ -88,7 +88,7 @@ def loss_of(model_name: str, model, batch) -> torch.Tensor:
 def train_against_reference(
     model_name: str, optimizer: str, steps: int = 5, compiled: bool = True, compiler: str = "eager", stage: int = 3,
     clip: float | None = None, compile_step: bool = False, device: str = "cpu", mesh_shape: tuple | None = None,
-    halve_lr_each_step: bool = False,
+    halve_lr_each_step: bool = False, clip_with: str = "backend",
 ) -> dict:
     """Train a prepared model (this rank's slice of each global batch) beside a single-process reference that
     sees the whole global batch; return both models' full parameters before and after, the graphs compiled and
@@ -96,7 +96,9 @@ def train_against_reference(
     and, with ``clip``, the gradient norms each clipped by. ``compile_step`` compiles ``opt.step`` with the same
     backend. ``device``: where both models train (``"cuda"``: this rank's GPU); what is returned is on the CPU.
     ``mesh_shape``: (replicas, shards) of a hybrid-sharding mesh over every rank.
-    ``halve_lr_each_step``: both optimizers get an LR scheduler, the prepared one's built before prepare."""
+    ``halve_lr_each_step``: both optimizers get an LR scheduler, the prepared one's built before prepare.
+    ``clip_with``: ``"backend"`` clips with ``backend.clip_grad_norm_``, ``"torch"`` with torch's own function over
+    ``model.parameters()``, as a script written for DDP does."""
     from fxshard.report.measure import CollectiveCounter
 
     rank, world = rank_and_world()
@@ -120,7 +122,9 @@ def train_against_reference(
             loss_of(model_name, run, local).backward()
             grads_after_backward = _storage_bytes(p.grad for p in model.parameters())
             if clip is not None:
-                norms.append(backend.clip_grad_norm_(clip).item())
+                clipped = (backend.clip_grad_norm_(clip) if clip_with == "backend"
+                           else torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+                norms.append(clipped.item())
             step()
         opt.zero_grad()
         step_the_reference(loss_of(model_name, reference, batch), reference, reference_opt, clip, reference_norms)
@@ -256,10 +260,12 @@ def state_bytes(model, opt, grads_after_backward: int) -> dict:
     }
 
 
-def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int = 3) -> dict:
+def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int = 3, clip: float | None = None
+                                 ) -> dict:
     """Gradient accumulation: each step runs ``micro_batches`` backward passes inside ``backend.no_sync`` on this
-    rank's slices, beside a single process that sees each step's whole global batch at once. Returns the full
-    parameters and the collectives of the last step."""
+    rank's slices, beside a single process that sees each step's whole global batch at once; with ``clip``, both
+    clip with torch's ``clip_grad_norm_`` before the step. Returns the full parameters, the collectives of the last
+    step and the norms clipped by."""
     from fxshard.report.measure import CollectiveCounter
 
     rank, world = rank_and_world()
@@ -272,6 +278,7 @@ def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int 
     run = torch.compile(model, backend=backend, fullgraph=True)
     generator = torch.Generator().manual_seed(1)
     per_micro = PER_RANK_BATCH
+    norms, reference_norms = [], []
     for _ in range(steps):
         batch = global_batch("gpt", world * per_micro * micro_batches, generator)
         with CollectiveCounter() as counter:
@@ -279,12 +286,14 @@ def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int 
                 for m in range(micro_batches):
                     lo = (m * world + rank) * per_micro
                     (loss_of("gpt", run, tuple(t[lo : lo + per_micro] for t in batch)) / micro_batches).backward()
+            if clip is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
             opt.step()
             opt.zero_grad()
-        loss_of("gpt", reference, batch).backward()
-        reference_opt.step()
-        reference_opt.zero_grad()
+        step_the_reference(loss_of("gpt", reference, batch), reference, reference_opt, clip, reference_norms)
     return {
+        "norms": norms,
+        "reference_norms": reference_norms,
         "initial": initial,
         "final": full_state(model),
         "expected": reference.state_dict(),

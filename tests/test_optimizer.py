@@ -9,16 +9,33 @@ import scenarios
 from examples.models import MLP
 from fxshard.runtime.prepare import MASTER_OF, spec_of, updating_optimizer
 from fxshard.runtime.sharding import shard_of
-from fxshard.testing import fake_process_group, graph_summary
+from fxshard.testing import WorkerError, fake_process_group, graph_summary
 from snapshots import assert_fxshard_snapshot
 from test_numerics import STEPS, assert_matches_reference
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_clip_grad_norm_is_the_whole_models_norm(pools, stage):
+@pytest.mark.parametrize("clip_with, stage", [("backend", 0), ("backend", 1), ("backend", 2), ("backend", 3),
+                                              ("torch", 0), ("torch", 2), ("torch", 3)])
+def test_clip_grad_norm_is_the_whole_models_norm(pools, clip_with, stage):
     # max_norm below every step's gradient norm, so every step clips: a per-rank (shard) norm would clip by a
-    # different factor on each rank and the parameters would leave the reference.
-    for result in pools(2).run(scenarios.train_against_reference, "mlp", "sgd", STEPS, stage=stage, clip=0.05):
+    # different factor on each rank and the parameters would leave the reference. torch's own clip_grad_norm_ over
+    # model.parameters() takes the whole model's norm too, as it does under DDP.
+    for result in pools(2).run(scenarios.train_against_reference, "mlp", "sgd", STEPS, stage=stage, clip=0.05,
+                               clip_with=clip_with):
+        assert all(norm > 0.05 for norm in result["reference_norms"])
+        assert result["norms"] == pytest.approx(result["reference_norms"], rel=1e-6)
+        assert_matches_reference(result, "sgd")
+
+
+def test_torchs_clip_grad_norm_at_stage_1_is_refused_naming_the_backends(pools):
+    # stage 1 averages gradients in optimizer.step(): before it, each rank holds its own
+    with pytest.raises(WorkerError, match=r"stage-1 model sees this rank's gradients before they are averaged.*"
+                                          r"backend.clip_grad_norm_\(max_norm\)"):
+        pools(2).run(scenarios.train_against_reference, "mlp", "sgd", 1, stage=1, clip=0.05, clip_with="torch")
+
+
+def test_torchs_clip_grad_norm_after_no_sync_averages_the_kept_gradients_first(pools):
+    for result in pools(2).run(scenarios.accumulate_against_reference, 0, clip=0.05):
         assert all(norm > 0.05 for norm in result["reference_norms"])
         assert result["norms"] == pytest.approx(result["reference_norms"], rel=1e-6)
         assert_matches_reference(result, "sgd")

@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import unit_of
-from fxshard.torch_compat import ConstantSource, after_grad_scaler_inf_check
+from fxshard.torch_compat import ConstantSource, after_grad_scaler_inf_check, total_norm_from
 from fxshard.torch_compat import c10d_functional as _c10d
 
 from . import optimizer_state_dict
@@ -118,6 +118,7 @@ def shard_optimizer_over(
         updating = optimizer
         _regroup_in_place(optimizer, updated, state)
     step = ShardedStep(stage, list(leaves.values()), grad_sync, bucket_bytes)
+    grad_sync.settle = step.settle_gradients
     setattr(updating, _SHARDED_STEP, step)
     updating.register_step_pre_hook(step.settle_gradients)
     updating.register_step_post_hook(step.publish_parameters)
@@ -392,9 +393,16 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     sharded_step_of(optimizer).settle_gradients()
     updated = (p for group in updating_optimizer(optimizer).param_groups for p in group["params"])
     params = [p for p in updated if p.grad is not None]
-    norm_type = float(norm_type)
     if not params:
         return torch.tensor(0.0)
+    total = _global_grad_norm(params, float(norm_type))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _global_grad_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type`` norm of the whole model's gradient, from the averaged gradients of ``params`` (tensors
+    prepare laid out, of one stage) that this rank holds: a collective over their group, the same on every rank."""
     op = "max" if norm_type == math.inf else "sum"
     # a gradient split over a tensor-parallel dimension adds its tp ranks' terms; a Replicate one counts once
     grads_over: dict[str, list[torch.Tensor]] = {}  # tp group ("": none) -> gradients split over it
@@ -412,9 +420,42 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     spec = spec_of(params[0])
     if spec.stage >= 1:  # each rank holds a disjoint shard of the gradient (zero padding adds nothing)
         local = _c10d.wait_tensor(_c10d.all_reduce(local, op, spec.group_name))
-    total = local if norm_type == math.inf else local ** (1.0 / norm_type)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
+    return local if norm_type == math.inf else local ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def _total_norm_of_prepared_grads(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor | None:
+    """``torch.nn.utils.get_total_norm`` (what ``clip_grad_norm_`` calls) over gradients of parameters prepare
+    laid out: the norm of the whole model's averaged gradient, as DDP's ranks compute it, not this rank's piece; None
+    when no tensor is such a gradient (torch's own computation runs). Stage 1's gradients are not averaged before
+    the step: refused, naming ``backend.clip_grad_norm_``."""
+    prepared = {id(leaf.grad): leaf for leaf in list(SPEC_OF.keys()) if leaf.grad is not None}
+    leaves = [prepared[id(t)] for t in tensors if id(t) in prepared]
+    if not leaves:
+        return None
+    if len(leaves) != len(tensors):
+        raise FxShardError(
+            f"a gradient norm over {len(leaves)} gradient(s) of a prepared model and {len(tensors) - len(leaves)} "
+            "other tensor(s): the prepared ones are pieces held by each rank, the others this rank's own; take "
+            "the norm of each kind apart"
+        )
+    spec = spec_of(leaves[0])
+    if spec.stage == 1:
+        raise FxShardError(
+            "torch.nn.utils.clip_grad_norm_ / get_total_norm on a stage-1 model sees this rank's gradients before "
+            "they are averaged (stage 1 averages them in optimizer.step()); call backend.clip_grad_norm_(max_norm) "
+            "instead, between backward and optimizer.step(), on every rank"
+        )
+    grad_sync = GRAD_SYNC_OF.get(leaves[0])
+    if grad_sync is not None and grad_sync.local_grads_pending:  # stage 0 after no_sync: averaged as the step would
+        if grad_sync.settle is None:
+            raise FxShardError("gradients no_sync kept local are averaged by the prepared optimizer's step, and this "
+                               "model was prepared without an optimizer: prepare it with one")
+        grad_sync.settle()
+    return _global_grad_norm(leaves, norm_type)
+
+
+total_norm_from(_total_norm_of_prepared_grads)
 
 
 # -- a full optimizer state dict: the same at any world size and stage -------------------------------------------

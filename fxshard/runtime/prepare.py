@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,10 +61,12 @@ _UNITS = "_fxshard_units"  # the prepared model's attribute, born on meta: {unit
 
 @dataclasses.dataclass
 class GradSync:
-    """Whether backward reduces gradients now (stage 0), and whether some were kept local since the last step."""
+    """Whether backward reduces gradients now (stage 0), whether some were kept local since the last step, and what
+    averages those (the prepared optimizer's step sets it: ``settle_gradients``)."""
 
     enabled: bool = True
     local_grads_pending: bool = False
+    settle: Callable[[], None] | None = None
 
 
 def grad_sync_of(model: nn.Module) -> GradSync:
