@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -219,6 +220,20 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
         "saved_full_weights": sorted(saved_full),
         "alive_full_weights": sorted(alive_full),
     }
+
+
+def state_dict_on_the_first_rank_only(stage: int, timeout_s: float) -> dict:
+    """``if rank == 0: torch.save(model.state_dict(), ...)`` on a prepared model whose rows cross shards; returns
+    what each rank saw (the first one's error) and how long it took."""
+    rank, _ = rank_and_world()
+    backend = fxshard.backend(compiler="eager", stage=stage, collective_timeout_s=timeout_s)
+    model, _ = backend.prepare(build_model("mlp_uneven"))
+    start = time.monotonic()
+    try:
+        saved = sorted(model.state_dict()) if rank == 0 else []
+    except fxshard.FxShardError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    return {"saved": saved, "seconds": time.monotonic() - start}
 
 
 def state_dict_round_trip() -> dict:

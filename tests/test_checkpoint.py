@@ -231,3 +231,14 @@ def test_train_gpt_resumes_bit_exactly_after_a_kill_in_the_middle_of_a_save(pool
     after = _losses(resumed.stdout)
     assert sorted(after) == [1, 2, 3]
     assert after == {step: loss for step, loss in _losses(whole).items() if step >= 1}
+
+
+def test_a_state_dict_taken_on_the_first_rank_only_fails_naming_state_dict_and_the_right_form(pools):
+    try:
+        first, second = pools(2).run(scenarios.state_dict_on_the_first_rank_only, 3, 2.0)
+    finally:
+        pools(2).close()  # rank 0's group timed out: the next test gets fresh ranks
+    assert second == {"saved": [], "seconds": second["seconds"]}
+    assert "model.state_dict(), which gathers" in first["error"], first
+    assert "full_state_dict=True" in first["error"] and "on every rank" in first["error"], first
+    assert 2.0 <= first["seconds"] < 10.0

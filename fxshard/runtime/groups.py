@@ -135,13 +135,16 @@ def peer_failure(error: RuntimeError, where: str) -> FxShardError:
 
 @contextlib.contextmanager
 def peer_failures_explained(where: str):
-    """Inside it, a collective that fails for want of a peer raises ``peer_failure`` (other errors pass as they are)."""
+    """Inside it, a collective that fails for want of a peer raises ``peer_failure`` (other errors pass as they are).
+    Nested, the outermost names the place: it is the call the user made (``model.state_dict()``, not the gather of
+    one parameter inside it)."""
     try:
         yield
     except RuntimeError as error:
-        if isinstance(error, FxShardError) or not is_peer_failure(error):
+        failure = error.__cause__ if isinstance(error, FxShardError) else error
+        if not isinstance(failure, RuntimeError) or isinstance(failure, FxShardError) or not is_peer_failure(failure):
             raise
-        raise peer_failure(error, where) from error
+        raise peer_failure(failure, where) from failure
 
 
 def explaining_peer_failures(compiled, where: str):

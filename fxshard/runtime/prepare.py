@@ -37,7 +37,7 @@ from fxshard.errors import FxShardError
 from fxshard.passes.context import COLLECTIVE_TIMEOUT_S
 from fxshard.torch_compat import tree_map
 
-from .groups import collective_group, group_over
+from .groups import collective_group, group_over, peer_failures_explained
 from .layout import full_from_value, gather_full, rows_of_full, shard_from_value, sharded_value, unsharded_value
 from .materialise import InitFn, born_on_meta, default_device, materialise_unit_by_unit, share_random_state
 from .ops import unshard
@@ -177,12 +177,19 @@ def _saved_value(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return unsharded_value(param, spec)
 
 
+_STATE_DICT_IS_COLLECTIVE = (
+    "model.state_dict(), which gathers every parameter whose rows cross its ranks' shards (stages 2, 3) and so runs "
+    "on every rank. A rank-0-only save (`if rank == 0: torch.save(model.state_dict(), path)`) waits for ranks "
+    "that never come: call get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+    "cpu_offload=True)) on every rank and torch.save its result on rank 0, or fxshard.checkpoint.save on every rank "
+    "(docs/training-scripts.md#saving-the-model)")
+
+
 def _state_dict_values(module, state_dict, prefix, local_metadata):
-    # Where a parameter's rows cross its shards' boundaries this gathers it: every rank calls state_dict(), as with
-    # FSDP2's sharded state dict.
-    for name, spec in getattr(module, _SPECS).items():
-        if prefix + name in state_dict:
-            state_dict[prefix + name] = _saved_value(module._parameters[name], spec)
+    with peer_failures_explained(_STATE_DICT_IS_COLLECTIVE):
+        for name, spec in getattr(module, _SPECS).items():
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = _saved_value(module._parameters[name], spec)
 
 
 def _load_state_dict_shard(module, state_dict, prefix, *args):
