@@ -7,9 +7,10 @@ DDP + torch.compile on the same data and the same dropout masks (docs/training-s
 Every family keeps its default dropout (a mixture of experts, whose default is 0, gets attention dropout 0.1). Each
 rank seeds its generator with its own seed before each step, in both runs, so each rank draws its own masks, as
 under DDP; Dynamo's DDP graph splitting is turned off, so DDP's compiled step is one graph as fxshard's is and
-Inductor draws the same masks in both. Rank 0 prints per model and stage the last loss, the largest difference of any
-parameter from DDP's (relative to that parameter's norm), the first step's time (Dynamo, AOT, passes and Inductor)
-and the median of the others.
+Inductor draws the same masks in both. Rank 0 prints per model and stage the last loss, the largest difference of
+any parameter element from DDP's, the first step's time (Dynamo, AOT, passes and Inductor) and the median of the
+others. An attention key bias gets a zero gradient, so Adam steps it by rounding noise: where a stage's last bits
+differ from DDP's, the difference shows there first.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def zoo_model(name: str, dropout: bool) -> nn.Module:
 
     common = {"vocab_size": VOCAB}
     if name == "gpt2":  # decoder
-        config = hf.GPT2Config(n_positions=SEQ, n_embd=32, n_layer=1, n_head=2, **common)
+        config = hf.GPT2Config(n_positions=SEQ, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
+                               **common)
         off = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
         build = hf.GPT2LMHeadModel
     elif name == "bert":  # encoder
@@ -62,8 +64,9 @@ def zoo_model(name: str, dropout: bool) -> nn.Module:
         off = {"attention_dropout": 0.0}
         build = hf.MixtralForCausalLM
     elif name == "vit":  # vision
+        # problem_type given: HuggingFace sets it in the first forward, and Dynamo recompiles for the change
         config = hf.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                              intermediate_size=64, num_labels=5)
+                              intermediate_size=64, num_labels=5, problem_type="single_label_classification")
         off = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
         build = hf.ViTForImageClassification
     else:
@@ -115,7 +118,7 @@ def compare(args: argparse.Namespace) -> None:
     torch._dynamo.config.ignore_logging_functions.add(transformers.utils.logging.warning_once)
     torch._dynamo.config.optimize_ddp = False  # DDP's compiled step as one graph: Inductor draws fxshard's masks
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
-    say(f"{'model':8} {'stage':>5} {'loss':>9} {'max rel diff vs DDP':>20} {'first step s':>13} {'step ms':>8}")
+    say(f"{'model':8} {'stage':>5} {'loss':>9} {'max abs diff vs DDP':>20} {'first step s':>13} {'step ms':>8}")
     for name in args.models.split(","):
         torch._dynamo.reset()
         model = zoo_model(name, dropout=True)
@@ -133,7 +136,7 @@ def compare(args: argparse.Namespace) -> None:
             run = torch.compile(prepared, backend=backend, fullgraph=True)
             losses, seconds = _train(run, opt, name, args.steps, args.per_rank)
             got = _full_parameters(prepared)
-            worst = max(((got[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in expected.items())
+            worst = max((got[k] - v).abs().max().item() for k, v in expected.items())
             say(f"{name:8} {stage:5d} {losses[-1]:9.4f} {worst:20.2e} {seconds[0]:13.1f} "
                 f"{1000 * statistics.median(seconds[1:]):8.1f}", flush=True)
 

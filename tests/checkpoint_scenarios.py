@@ -28,7 +28,7 @@ import fxshard
 from fxshard import checkpoint
 from fxshard.runtime import layout
 from fxshard.runtime.layout import gather_full, rows_are_shard
-from fxshard.runtime.prepare import spec_of
+from fxshard.runtime.param import spec_of
 from fxshard.testing import rank_and_world
 from scenarios import build_model, global_batch, hybrid_mesh, make_optimizer, peak_allocated_bytes
 

@@ -7,7 +7,7 @@ import torch
 import fxshard
 from examples.large_model_memory import LARGE, reset_resident_peak, resident_peak, start
 from examples.models import GPT, GPTConfig
-from fxshard.runtime.prepare import spec_of
+from fxshard.runtime.param import spec_of
 from fxshard.runtime.sharding import shard_of
 from fxshard.testing import rank_and_world
 

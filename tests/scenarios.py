@@ -177,7 +177,7 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
     saved for backward or kept alive between steps."""
     import gc
 
-    from fxshard.runtime.prepare import spec_of
+    from fxshard.runtime.param import spec_of
 
     torch._dynamo.reset()
     gc.collect()
@@ -259,7 +259,7 @@ def _storage_bytes(tensors) -> int:
 def state_bytes(model, opt, grads_after_backward: int) -> dict:
     """The elements Ψ of a prepared model (``psi_padded``: with each shard's padding) and the bytes each kind of
     training state holds on this rank."""
-    from fxshard.runtime.prepare import spec_of
+    from fxshard.runtime.param import spec_of
 
     specs = [spec_of(p) for p in model.parameters()]
     return {
@@ -576,7 +576,7 @@ def resume_from_checkpoint(stage: int, steps_before: int = 2, steps_after: int =
     for _ in range(steps_before):
         next(data)
     train(resumed_opt, resumed_run, data, steps_after)
-    from fxshard.runtime.prepare import spec_of
+    from fxshard.runtime.param import spec_of
 
     return {"uninterrupted": uninterrupted, "resumed": full_state(resumed_model),
             "saved_exp_avg_elements": sum(s["exp_avg"].to_local().numel() for s in opt_state["state"].values()),
@@ -708,7 +708,7 @@ def peer_fault(fault: str, timeout_s: float) -> dict:
 def worker_threads_of_groups() -> dict:
     """Gloo worker threads of the user's group and of the group a prepared model's collectives name."""
     from fxshard.runtime.groups import gloo_worker_threads
-    from fxshard.runtime.prepare import spec_of
+    from fxshard.runtime.param import spec_of
 
     model = build_model("mlp")
     fxshard.backend(compiler="eager", stage=3).prepare(model)

@@ -239,7 +239,7 @@ class TiedAcrossABreak(torch.nn.Module):
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_weight_tied_across_a_graph_break_is_held_once(stage):
-    from fxshard.runtime.prepare import FULL_COPY_OF
+    from fxshard.runtime.param import prepared_param
     from fxshard.testing import fake_process_group
 
     with fake_process_group(2):
@@ -249,7 +249,7 @@ def test_a_weight_tied_across_a_graph_break_is_held_once(stage):
         model, _ = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         torch.compile(model, backend=backend)(torch.randint(0, 96, (4, 8))).backward()
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
-        copies = [FULL_COPY_OF[p] for p in model.parameters() if p in FULL_COPY_OF]  # stage 2's, forward reads
+        copies = [prepared_param(p).resident for p in model.parameters() if prepared_param(p).resident is not None]  # stage 2's, forward reads
         params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *copies])
     ledger = budget.ledger(backend)
     assert len({r.graph_id for r in backend.graphs}) == 2

@@ -8,7 +8,7 @@ import fxshard
 import large_model_scenarios
 from examples.large_model_memory import ledger_prepare_peak, start
 from examples.models import GPT
-from fxshard.runtime.prepare import spec_of
+from fxshard.runtime.param import spec_of
 from fxshard.runtime.sharding import shard_of
 from fxshard.testing import fake_process_group
 

@@ -16,7 +16,7 @@ import fxshard
 import scenarios
 from fxshard import budget
 from fxshard.__main__ import main as cli
-from fxshard.runtime.prepare import spec_of
+from fxshard.runtime.param import spec_of
 from fxshard.testing import assert_graph_snapshot, fake_process_group
 from test_numerics import STEPS, assert_matches_reference
 

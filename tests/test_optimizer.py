@@ -7,7 +7,8 @@ import torch
 import fxshard
 import scenarios
 from examples.models import MLP
-from fxshard.runtime.prepare import MASTER_OF, spec_of, updating_optimizer
+from fxshard.runtime.param import prepared_param, spec_of
+from fxshard.runtime.prepare import updating_optimizer
 from fxshard.runtime.sharding import shard_of
 from fxshard.testing import WorkerError, fake_process_group, graph_summary
 from snapshots import assert_fxshard_snapshot
@@ -139,7 +140,7 @@ def test_load_state_dict_of_full_parameter_stages(stage):
             assert torch.equal(value, replacement[name]), name
         if stage == 1:  # the master shards the optimizer updates follow the load
             for name, param in model.named_parameters():
-                master = MASTER_OF[param]
+                master = prepared_param(param).master
                 assert torch.equal(master, shard_of(replacement[name], spec_of(master))), name
 
 
@@ -325,14 +326,14 @@ def test_a_stage_1_optimizer_holds_the_model_parameters_and_steps_their_masters(
         model, opt = fxshard.backend(compiler="eager", stage=1).prepare(model, torch.optim.AdamW(model.parameters()))
         assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
-        masters_before = [MASTER_OF[p].clone() for p in model.parameters()]
+        masters_before = [prepared_param(p).master.clone() for p in model.parameters()]
         model(torch.randn(4, model.fc1.in_features)).sum().backward()
         opt.step()
         scheduler.step()
-        assert all(p.grad is None and MASTER_OF[p].grad is None for p in model.parameters())
-        assert not all(torch.equal(MASTER_OF[p], m) for p, m in zip(model.parameters(), masters_before))
+        assert all(p.grad is None and prepared_param(p).master.grad is None for p in model.parameters())
+        assert not all(torch.equal(prepared_param(p).master, m) for p, m in zip(model.parameters(), masters_before))
         for param in model.parameters():
-            assert opt.state[param]["exp_avg"].shape == MASTER_OF[param].shape  # this rank's flat shard
+            assert opt.state[param]["exp_avg"].shape == prepared_param(param).master.shape  # this rank's flat shard
         _, optim_sd = get_state_dict(model, opt)
         _, ours = fxshard.checkpoint.get_state_dict(model, opt)
         names = [name for name, _ in model.named_parameters()]
@@ -369,7 +370,7 @@ def test_a_stage_1_state_dict_loads_in_the_masters_precision():
             loaded = fresh_opt.state[fresh]
             assert loaded["exp_avg"].dtype == torch.float32
             assert torch.equal(loaded["exp_avg"], opt.state[param]["exp_avg"])
-            assert updating_optimizer(fresh_opt).state[MASTER_OF[fresh]] is loaded  # the update reads what loaded
+            assert updating_optimizer(fresh_opt).state[prepared_param(fresh).master] is loaded  # the update reads what loaded
 
 
 @pytest.mark.parametrize("scaler", ["GradScaler", "ShardedGradScaler"])

@@ -6,7 +6,7 @@ from torch import nn
 import fxshard
 import scenarios
 from examples.models import GPT, MLP
-from fxshard.runtime.prepare import spec_of
+from fxshard.runtime.param import spec_of
 from fxshard.report import collectives
 from fxshard.testing import fake_process_group
 

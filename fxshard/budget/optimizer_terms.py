@@ -41,7 +41,7 @@ def optimizer_terms(optimizer, params: list[Param], sizes: Sizes,
     compute copies mixed precision would add where the graph reads the master itself, and the step's schedule
     rows."""
     from fxshard.runtime.optim import sharded_step_of
-    from fxshard.runtime.prepare import spec_of
+    from fxshard.runtime.param import spec_of
 
     by_name = {p.name: p for p in params}
 

@@ -101,7 +101,7 @@ def _rename(params: dict[int, Param], names: dict[tuple, str], optimizer) -> Non
             param.name = names.get((param.sites[0],), param.name)
     # no markers: name the graph's inputs after the specs, matched by shape
     if optimizer is not None and any(p.reads == "plain" for p in params.values()):
-        from fxshard.runtime.prepare import spec_of
+        from fxshard.runtime.param import spec_of
 
         specs = [spec_of(p) for g in optimizer.param_groups for p in g["params"]]
         for idx, param in list(params.items()):

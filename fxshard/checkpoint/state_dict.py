@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.errors import FxShardError
 from fxshard.runtime.optimizer_state_dict import updated_tensors
-from fxshard.runtime.prepare import _SPECS, spec_of
+from fxshard.runtime.param import spec_of
+from fxshard.runtime.prepare import _SPECS
 from fxshard.torch_compat import flatten_optimizer_state_dict, resolve_group
 
 

@@ -28,11 +28,11 @@ from fxshard.runtime.optim import (
     mark_published,
     shard_optimizer_over,
 )
+from fxshard.runtime.param import spec_of
 from fxshard.runtime.prepare import (
     grad_sync_of,
     shard_parameters,
     sharded_world_size,
-    spec_of,
     tensor_parallel_of,
     updating_optimizer,
 )

@@ -31,18 +31,8 @@ from . import optimizer_state_dict
 from .groups import peer_failures_explained
 from .layout import full_from_value, gather_full, global_of
 from .ops import cast_to, flat_padded, reduce_scatter_mean
-from .prepare import (
-    FULL_COPY_OF,
-    GRAD_SYNC_OF,
-    MASTER_OF,
-    MASTER_STEP,
-    REPLACED_BY_SHARD,
-    SPEC_OF,
-    GradSync,
-    replace_updated_state,
-    spec_of,
-    updating_optimizer,
-)
+from .param import GradSync, prepared_leaves, prepared_param, replaced_by, spec_of
+from .prepare import MASTER_STEP, replace_updated_state, updating_optimizer
 from .sharding import ShardSpec, pack_greedily, shard_of, unpad
 
 _SHARDED_STEP = "_fxshard_sharded_step"  # attribute of the optimizers prepare returns: their ShardedStep
@@ -104,7 +94,7 @@ def shard_optimizer_over(
     ``bucket_bytes``) hooked around the update."""
     _check_optimizer(optimizer, leaves)
     stage = spec_of(next(iter(leaves.values()))).stage if leaves else 3
-    updated = {key: MASTER_OF[leaf] if stage == 1 else leaf for key, leaf in leaves.items()}
+    updated = {key: prepared_param(leaf).updated for key, leaf in leaves.items()}
     state = {}
     for param, param_state in optimizer.state.items():
         target = updated[id(param)]
@@ -241,8 +231,8 @@ class ShardedStep:
     def shards(self) -> list[torch.Tensor]:
         """What the step publishes, in parameter order: every trainable stage-1 master or stage-2 leaf (each has a
         full copy that forward reads)."""
-        shards = [MASTER_OF.get(leaf, leaf) for leaf in self.leaves if leaf.requires_grad]
-        return [shard for shard in shards if shard in FULL_COPY_OF]
+        records = [prepared_param(leaf) for leaf in self.leaves if leaf.requires_grad]
+        return [record.updated for record in records if record.full_copy is not None]
 
     def collective_dtype(self, kind: str, shard: torch.Tensor) -> torch.dtype:
         """The dtype a step collective moves ``shard`` in: its full copy's (``"all_gather"``), or for stage 1's
@@ -251,8 +241,8 @@ class ShardedStep:
         if kind == "all_reduce":
             return spec_of(shard).reduce_dtype or shard.dtype
         if kind == "all_gather":
-            return FULL_COPY_OF[shard].dtype
-        return spec_of(shard).reduce_dtype or FULL_COPY_OF[shard].dtype
+            return prepared_param(shard).full_copy.dtype
+        return spec_of(shard).reduce_dtype or prepared_param(shard).full_copy.dtype
 
     def buckets(self, kind: str, shards: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """``shards`` grouped as one step collective of ``kind`` takes them: in order, up to ``bucket_bytes`` of
@@ -273,7 +263,7 @@ class ShardedStep:
             self.grad_sync.local_grads_pending = False
         elif self.stage == 1:
             # a parameter without a gradient has none this step, or it is in its master already
-            masters = [MASTER_OF[p] for p in self.leaves if p.grad is not None]
+            masters = [prepared_param(p).master for p in self.leaves if p.grad is not None]
             for bucket in self.buckets("reduce_scatter", masters):
                 _reduce_scatter_into_masters(bucket)
 
@@ -307,7 +297,7 @@ def _all_reduce_gradients(params: list[torch.Tensor]) -> None:
 def _reduce_scatter_into_masters(masters: list[torch.Tensor]) -> None:
     """One reduce-scatter (average) of the full gradients of the parameters these stage-1 masters shard; each
     master's gradient becomes its slice, and the full gradient is freed."""
-    params = [FULL_COPY_OF[master] for master in masters]
+    params = [prepared_param(master).full_copy for master in masters]
     specs = [spec_of(master) for master in masters]
     world, group = specs[0].world_size, specs[0].group_name
     # rank-major, written in place: row r holds the slice of every gradient that rank r keeps
@@ -325,7 +315,7 @@ def _reduce_scatter_into_masters(masters: list[torch.Tensor]) -> None:
 def _gather_into_full_copies(shards: list[torch.Tensor]) -> None:
     """One all-gather of these shards, each cast to its full copy's dtype, into their full copies."""
     specs = [spec_of(shard) for shard in shards]
-    fulls = [FULL_COPY_OF[shard] for shard in shards]
+    fulls = [prepared_param(shard).full_copy for shard in shards]
     world, group = specs[0].world_size, specs[0].group_name
     flat = torch.cat([cast_to(shard, full.dtype) for shard, full in zip(shards, fulls)])
     gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world, group))
@@ -344,9 +334,10 @@ def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             spec = spec_of(param)
-            grad_sync = GRAD_SYNC_OF.get(param)
-            if param in REPLACED_BY_SHARD:
-                problem = f"a parameter that prepare replaced by its shard ({SPEC_OF[REPLACED_BY_SHARD[param]].name})"
+            record = prepared_param(param)
+            grad_sync = record.grad_sync if record is not None else None
+            if replaced_by(param) is not None:
+                problem = f"a parameter that prepare replaced by its shard ({record.spec.name})"
             elif spec is not None and spec.stage in (1, 2):
                 problem = f"{spec.name}, whose stage-{spec.stage} communication runs in the optimizer's step"
             elif grad_sync is not None and grad_sync.local_grads_pending:
@@ -429,7 +420,7 @@ def _total_norm_of_prepared_grads(tensors: list[torch.Tensor], norm_type: float)
     laid out: the norm of the whole model's averaged gradient, as DDP's ranks compute it, not this rank's piece; None
     when no tensor is such a gradient (torch's own computation runs). Stage 1's gradients are not averaged before
     the step: refused, naming ``backend.clip_grad_norm_``."""
-    prepared = {id(leaf.grad): leaf for leaf in list(SPEC_OF.keys()) if leaf.grad is not None}
+    prepared = {id(leaf.grad): leaf for leaf in prepared_leaves() if leaf.grad is not None}
     leaves = [prepared[id(t)] for t in tensors if id(t) in prepared]
     if not leaves:
         return None
@@ -446,7 +437,7 @@ def _total_norm_of_prepared_grads(tensors: list[torch.Tensor], norm_type: float)
             "they are averaged (stage 1 averages them in optimizer.step()); call backend.clip_grad_norm_(max_norm) "
             "instead, between backward and optimizer.step(), on every rank"
         )
-    grad_sync = GRAD_SYNC_OF.get(leaves[0])
+    grad_sync = prepared_param(leaves[0]).grad_sync
     if grad_sync is not None and grad_sync.local_grads_pending:  # stage 0 after no_sync: averaged as the step would
         if grad_sync.settle is None:
             raise FxShardError("gradients no_sync kept local are averaged by the prepared optimizer's step, and this "
@@ -567,7 +558,7 @@ def annotate_optimizer_graph(gm: torch.fx.GraphModule, example_inputs) -> list[t
         node.meta["fxshard"] = {"role": "updated_shard", "unit": unit_of(spec.name), "fqn": spec.name,
                                 "full_shape": spec.full_shape,
                                 "world_size": spec.world_size, "group_name": spec.group_name}
-        full = FULL_COPY_OF.get(shard)
+        full = prepared_param(shard).full_copy
         if full is not None:
             name = f"_fxshard_publish_{len(published)}"
             gm.register_buffer(name, full)

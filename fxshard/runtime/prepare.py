@@ -23,15 +23,12 @@ stay replicated.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fxshard.errors import FxShardError
 from fxshard.passes.context import COLLECTIVE_TIMEOUT_S
@@ -41,6 +38,7 @@ from .groups import collective_group, group_over, peer_failures_explained
 from .layout import full_from_value, gather_full, rows_of_full, shard_from_value, sharded_value, unsharded_value
 from .materialise import InitFn, born_on_meta, default_device, materialise_unit_by_unit, share_random_state
 from .ops import unshard
+from .param import GradSync, prepared_param, register, register_replaced, spec_of
 from .sharding import ShardSpec, shard_of
 from .tensor_parallel import (
     TensorParallel,
@@ -59,29 +57,12 @@ _GRAD_SYNC = "_fxshard_grad_sync"  # module attribute: the model's GradSync
 _UNITS = "_fxshard_units"  # the prepared model's attribute, born on meta: {unit: parameter elements materialised}
 
 
-@dataclasses.dataclass
-class GradSync:
-    """Whether backward reduces gradients now (stage 0), whether some were kept local since the last step, and what
-    averages those (the prepared optimizer's step sets it: ``settle_gradients``)."""
-
-    enabled: bool = True
-    local_grads_pending: bool = False
-    settle: Callable[[], None] | None = None
-
-
 def grad_sync_of(model: nn.Module) -> GradSync:
     for module in model.modules():
         if hasattr(module, _GRAD_SYNC):
             return getattr(module, _GRAD_SYNC)
     raise FxShardError("this model was not prepared; call backend.prepare(model, optimizer) first")
 
-SPEC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # trainable leaf (or stage-1 master shard) -> ShardSpec
-MASTER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-1 full parameter -> its master shard
-# what forward reads of a shard the optimizer updates: stage-1 master -> full parameter, stage-2 leaf -> resident copy
-FULL_COPY_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# parameter prepare replaced -> its leaf: the shard (stages 2, 3), or at any stage the leaf of a DTensor's local piece
-REPLACED_BY_SHARD: WeakIdKeyDictionary = WeakIdKeyDictionary()
-GRAD_SYNC_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stage-0 parameter -> its model's GradSync
 # stage 1: the attribute of the optimizer prepare returned (over the model's parameters) holding its
 # fxshard.runtime.optim.MasterStep (an attribute, not a weak-keyed registry: the MasterStep refers to the optimizer)
 MASTER_STEP = "_fxshard_master_step"
@@ -103,11 +84,6 @@ def replace_updated_state(optimizer: torch.optim.Optimizer, state_of_updated: di
     else:
         optimizer.state.clear()
         optimizer.state.update(state_of_updated)
-
-
-def spec_of(param: torch.Tensor) -> ShardSpec | None:
-    """The ShardSpec of a leaf laid out by ``prepare``, or None for any other tensor."""
-    return SPEC_OF.get(param)
 
 
 def tensor_parallel_of(model: nn.Module) -> list[TensorParallel]:
@@ -166,12 +142,13 @@ def _saved_value(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     precision): the parameter itself where every rank holds it in full (stage 0; stage 1 without mixed precision),
     else a DTensor of its full shape holding this rank's rows (``fxshard.runtime.layout``: the layout DCP and
     FSDP2 reshard)."""
-    full_copy = FULL_COPY_OF.get(param)
-    if full_copy is not None and full_copy.dtype == param.dtype:  # stage 2's resident copy holds exactly this
-        return rows_of_full(full_copy, spec)
+    record = prepared_param(param)
+    resident = record.resident
+    if resident is not None and resident.dtype == param.dtype:  # stage 2's resident copy holds exactly this
+        return rows_of_full(resident, spec)
     if spec.trains_shard:
         return sharded_value(param, spec)
-    master = MASTER_OF.get(param)
+    master = record.master
     if master is not None and master.dtype != param.dtype:  # stage 1 computes in a lower precision than it trains
         return sharded_value(master, spec)
     return unsharded_value(param, spec)
@@ -211,7 +188,7 @@ def _load_state_dict_shard(module, state_dict, prefix, *args):
                 state_dict[key] = shard
                 continue
             full = full_from_value(value, spec, key)
-            master = MASTER_OF.get(param)
+            master = prepared_param(param).master
             if master is not None:  # stage 1: the master takes the full precision, the parameter a cast copy
                 master.copy_(shard_of(full, spec))
             state_dict[key] = full
@@ -277,23 +254,21 @@ def _leaf_for(param: nn.Parameter, spec: ShardSpec, shard: torch.Tensor | None) 
 
 def _lay_out(param: nn.Parameter, spec: ShardSpec, grad_sync: GradSync,
              shard: torch.Tensor | None = None) -> nn.Parameter:
-    """The trainable leaf of ``param`` under ``spec`` and, by stage, the tensors around it (registered here);
+    """The trainable leaf of ``param`` under ``spec``, registered with the tensors around it by stage;
     ``shard``: where a sharded leaf's values go (default: a new tensor)."""
     leaf = _leaf_for(param, spec, shard)
-    SPEC_OF[leaf] = spec
-    if leaf is not param:
-        REPLACED_BY_SHARD[param] = leaf
+    kept = {}
     if spec.stage == 0:
-        GRAD_SYNC_OF[leaf] = grad_sync
+        kept["grad_sync"] = grad_sync
     elif spec.stage == 1:  # the optimizer updates a flat shard in the parameter's own precision
-        master = nn.Parameter(shard_of(param, spec), requires_grad=param.requires_grad)
-        SPEC_OF[master] = spec
-        MASTER_OF[param] = master
-        FULL_COPY_OF[master] = param
+        kept["master"] = nn.Parameter(shard_of(param, spec), requires_grad=param.requires_grad)
         if spec.param_dtype is not None:
             param.data = param.data.to(spec.param_dtype)
     elif spec.stage == 2:  # the full storage stays on as the resident copy, in the compute dtype
-        FULL_COPY_OF[leaf] = param.detach().to(spec.param_dtype or param.dtype)
+        kept["resident"] = param.detach().to(spec.param_dtype or param.dtype)
+    register(leaf, spec, **kept)
+    if leaf is not param:
+        register_replaced(param, leaf)
     return leaf
 
 
@@ -370,7 +345,8 @@ def shard_parameters(
                 full = local_value(full, spec.tensor_parallel).clone()  # (a view would keep the whole alive)
             leaf = _lay_out(nn.Parameter(full, requires_grad=meta.requires_grad), spec, grad_sync,
                             shards.pop(id(meta), None))
-            leaves[id(meta)] = REPLACED_BY_SHARD[meta] = leaf
+            leaves[id(meta)] = leaf
+            register_replaced(meta, leaf)
 
         model.__dict__[_UNITS] = materialise_unit_by_unit(model, param_init_fn, keep, device, init_units)
     else:
@@ -386,7 +362,7 @@ def shard_parameters(
         owned = {n: p for n, p in module._parameters.items() if p is not None}
         if not owned or hasattr(module, _SPECS):
             continue
-        setattr(module, _SPECS, {name: SPEC_OF[leaves[id(param)]] for name, param in owned.items()})
+        setattr(module, _SPECS, {name: spec_of(leaves[id(param)]) for name, param in owned.items()})
         setattr(module, _PATH, path)
         if stage in (1, 2):
             module.__dict__["_apply"] = functools.partial(_refuse_conversion, module, module._apply)
@@ -394,15 +370,16 @@ def shard_parameters(
         module.register_load_state_dict_pre_hook(_load_state_dict_shard)
         for name, param in owned.items():
             module._parameters[name] = leaves[id(param)]  # the parameter itself, unless sharded or born on meta
-        if stage == 1 and not any(SPEC_OF[leaves[id(p)]].tensor_parallel for p in owned.values()):
+        if stage == 1 and not any(spec_of(leaves[id(p)]).tensor_parallel for p in owned.values()):
             continue  # no marker: the parameters stay the leaves, read directly
         for name, param in owned.items():
             if stage == 2:
-                module.register_buffer(_RESIDENT + name, FULL_COPY_OF[leaves[id(param)]], persistent=False)
+                module.register_buffer(_RESIDENT + name, prepared_param(leaves[id(param)]).resident,
+                                       persistent=False)
         module.__dict__[_GRAD_SYNC] = grad_sync
         module.__class__ = _accessor_class(type(module), tuple(owned))
     if param_dtype is not None:
         model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
     for key in tensor_parallel:  # the DTensor parameters (the optimizer holds them) are replaced at every stage
-        REPLACED_BY_SHARD[specs[key][0]] = leaves[key]
+        register_replaced(specs[key][0], leaves[key])
     return leaves, grad_sync

@@ -323,7 +323,7 @@ def _scatters_by_all_to_all(model) -> bool:
     """Whether the optimizer step reduce-scatters ``model``'s gradients as an all-to-all and a local sum (its
     parameters' group is gloo's: ``fxshard.runtime.groups.scatters_by_all_to_all``)."""
     from fxshard.runtime.groups import scatters_by_all_to_all
-    from fxshard.runtime.prepare import spec_of
+    from fxshard.runtime.param import spec_of
 
     spec = next((spec for p in model.parameters() if (spec := spec_of(p)) is not None), None)
     return spec is not None and scatters_by_all_to_all(spec.group_name)

@@ -1,0 +1,104 @@
+"""One record per parameter ``prepare`` laid out (FSDP2's ``FSDPParam``): its layout and the tensors fxshard keeps
+for it, found from any of them by ``prepared_param``.
+
+| | stage 0 | stage 1 | stage 2 | stage 3 |
+|---|---|---|---|---|
+| ``leaf``: what the model holds, autograd fills and ``model.parameters()`` yields | the parameter | the parameter | its flat shard | its flat shard |
+| ``updated``: what the optimizer's update writes | the leaf | ``master``, a flat shard | the leaf | the leaf |
+| ``full_copy``: what forward reads of ``updated``, refreshed after each step | - | the leaf | ``resident``, a buffer | - |
+| ``grad_sync``: whether backward averages gradients now (``no_sync``) | the model's | - | - | - |
+
+A parameter that ``prepare`` replaced (by its shard; under tensor parallelism, by the leaf of its DTensor's local
+piece) finds the record too: ``replaced_by`` names its leaf.
+
+The registry holds the leaf weakly (the model owns it) and a stage-1 master strongly (the record owns it, as
+FSDP2's ``FSDPParam`` owns its sharded parameter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .sharding import ShardSpec
+
+_RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf, master or replaced parameter -> its PreparedParam
+
+
+@dataclasses.dataclass
+class GradSync:
+    """A stage-0 model's: whether backward averages gradients now (not under ``no_sync``), whether some were kept
+    local since the last step, and what averages those (the prepared optimizer's ``settle_gradients``)."""
+
+    enabled: bool = True
+    local_grads_pending: bool = False
+    settle: Callable[[], None] | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class PreparedParam:
+    spec: ShardSpec
+    _leaf: weakref.ref
+    master: nn.Parameter | None = None
+    resident: torch.Tensor | None = None
+    grad_sync: GradSync | None = None
+
+    @property
+    def leaf(self) -> nn.Parameter | None:
+        return self._leaf()
+
+    @property
+    def updated(self) -> torch.Tensor:
+        return self.master if self.master is not None else self.leaf
+
+    @property
+    def full_copy(self) -> torch.Tensor | None:
+        return self.leaf if self.master is not None else self.resident
+
+    def is_laid_out(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one of the tensors prepare made or kept for training (the leaf or the master), not a
+        parameter it replaced."""
+        return tensor is self.leaf or tensor is self.master
+
+
+def register(leaf: nn.Parameter, spec: ShardSpec, **tensors) -> PreparedParam:
+    """The record of a leaf prepare laid out under ``spec``, with its master, resident copy or GradSync."""
+    record = PreparedParam(spec, weakref.ref(leaf), **tensors)
+    _RECORDS[leaf] = record
+    if record.master is not None:
+        _RECORDS[record.master] = record
+    return record
+
+
+def register_replaced(original: torch.Tensor, leaf: nn.Parameter) -> None:
+    """``original``, a parameter prepare replaced, now finds ``leaf``'s record."""
+    _RECORDS[original] = _RECORDS[leaf]
+
+
+def prepared_param(tensor: torch.Tensor) -> PreparedParam | None:
+    """The record of the parameter ``tensor`` is (its leaf, its master, or the parameter prepare replaced)."""
+    return _RECORDS.get(tensor)
+
+
+def spec_of(tensor: torch.Tensor) -> ShardSpec | None:
+    """The ShardSpec of a leaf laid out by ``prepare`` (or of a stage-1 master), or None for any other tensor."""
+    record = _RECORDS.get(tensor)
+    return record.spec if record is not None and record.is_laid_out(tensor) else None
+
+
+def replaced_by(tensor: torch.Tensor) -> nn.Parameter | None:
+    """The leaf that took the place of ``tensor``, a parameter prepare replaced; None for any other tensor."""
+    record = _RECORDS.get(tensor)
+    return record.leaf if record is not None and not record.is_laid_out(tensor) else None
+
+
+def prepared_leaves() -> Iterator[nn.Parameter]:
+    """Every live leaf prepare laid out, in any model of this process."""
+    for tensor, record in list(_RECORDS.items()):
+        if tensor is record.leaf:
+            yield tensor
