@@ -222,15 +222,28 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
     }
 
 
-def state_dict_on_the_first_rank_only(stage: int, timeout_s: float) -> dict:
-    """``if rank == 0: torch.save(model.state_dict(), ...)`` on a prepared model whose rows cross shards; returns
-    what each rank saw (the first one's error) and how long it took."""
+class MLPWithTemperature(torch.nn.Module):
+    """An MLP whose output a learned 0-d scalar divides (CLIP's ``logit_scale`` is one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP(d_in=7, d_hidden=11, d_out=5)
+        self.temperature = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) / self.temperature
+
+
+def state_dict_on_the_first_rank_only(stage: int, timeout_s: float, with_scalar: bool) -> dict:
+    """``if rank == 0: model.state_dict()`` on a prepared MLP whose rows split unevenly, ``with_scalar``: with a
+    0-d parameter too; returns what each rank saw (the first one's keys and value types, or its error) and how long
+    it took."""
     rank, _ = rank_and_world()
     backend = fxshard.backend(compiler="eager", stage=stage, collective_timeout_s=timeout_s)
-    model, _ = backend.prepare(build_model("mlp_uneven"))
+    model, _ = backend.prepare(MLPWithTemperature() if with_scalar else build_model("mlp_uneven"))
     start = time.monotonic()
     try:
-        saved = sorted(model.state_dict()) if rank == 0 else []
+        saved = {k: type(v).__name__ for k, v in model.state_dict().items()} if rank == 0 else {}
     except fxshard.FxShardError as error:
         return {"error": str(error), "seconds": time.monotonic() - start}
     return {"saved": saved, "seconds": time.monotonic() - start}

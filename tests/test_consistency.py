@@ -14,7 +14,7 @@ def test_a_forward_that_branches_on_the_rank_fails_to_compile_on_every_rank(pool
     for rank, error in enumerate(errors):
         assert error.startswith(f"rank {rank}: the ranks compiled different collective schedules for their "
                                 "forward graph 0"), error
-        assert ("collective #1 differs (rank 0: all_gather of unit 'fc2' (fc2.weight, fc2.bias), 43 float32 "
+        assert ("collective #1 differs (rank 0: all_gather of unit 'fc2' (fc2.weight, fc2.bias), 51 float32 "
                 "elements; rank 1: all_gather of unit 'extra' (extra.weight, extra.bias), 136 float32 elements); "
                 "collectives per rank: rank 0: 2, rank 1: 3") in error, error
 
@@ -50,8 +50,8 @@ def test_the_schedule_is_the_lowered_graphs_collectives_in_issue_order():
     backend = scenarios.compiled_model("mlp", stage=3)  # fake group: nothing is compared, the graphs are real
     backward = next(r.final for r in backend.graphs if r.kind == "backward")
     assert [(c.kind, c.unit, c.params, c.numel) for c in collective_schedule(backward)] == [
-        ("all_gather", "fc2", ("fc2.weight",), "40"),  # stage 3 gathers the weight (not the bias) again
-        ("reduce_scatter", "fc2", ("fc2.bias", "fc2.weight"), "86"),
+        ("all_gather", "fc2", ("fc2.weight",), "48"),  # stage 3 gathers the weight (not the bias) again
+        ("reduce_scatter", "fc2", ("fc2.bias", "fc2.weight"), "102"),  # 5 rows over 2 ranks: 3 rows each
         ("reduce_scatter", "fc1", ("fc1.bias", "fc1.weight"), "144"),
     ]
 

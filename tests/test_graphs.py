@@ -39,7 +39,7 @@ def test_mlp_forward_snapshot(mlp_graphs):
 primals_1: f32[64]
 primals_2: f32[8]
 primals_3: f32[4,8]
-primals_4: f32[40]
+primals_4: f32[48]
 primals_5: f32[3]
 cat_default = aten.cat([primals_1, primals_2]) -> f32[72]  # fc1 copy_in
 all_gather_fc1 = c10d.all_gather_into_tensor(cat_default) -> f32[144]  # fc1 all_gather
@@ -54,35 +54,38 @@ getitem_1 = getitem(split_with_sizes_default) -> f32[2,8]  # fc1 copy_out
 clone_default_1 = aten.clone(getitem_1) -> f32[2,8]  # fc1 copy_out
 fc1_bias = aten.view(clone_default_1) -> f32[16]  # fc1 copy_out
 addmm = aten.addmm(fc1_bias, primals_3, t) -> f32[4,16]
-cat_default_1 = aten.cat([primals_4, primals_5]) -> f32[43]  # fc2 copy_in
-all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[86]  # fc2 all_gather
 relu = aten.relu(addmm) -> f32[4,16]
-wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[86]  # fc2 wait
-view_default_1 = aten.view(wait_fc2) -> f32[2,43]  # fc2 copy_out
-split_with_sizes_default_1 = aten.split_with_sizes(view_default_1) -> (f32[2,40], f32[2,3])  # fc2 copy_out
-getitem_2 = getitem(split_with_sizes_default_1) -> f32[2,40]  # fc2 copy_out
-clone_default_2 = aten.clone(getitem_2) -> f32[2,40]  # fc2 copy_out
-fc2_weight = aten.view(clone_default_2) -> f32[5,16]  # fc2 copy_out
+cat_default_1 = aten.cat([primals_4, primals_5]) -> f32[51]  # fc2 copy_in
+all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[102]  # fc2 all_gather
+wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[102]  # fc2 wait
+view_default_1 = aten.view(wait_fc2) -> f32[2,51]  # fc2 copy_out
+split_with_sizes_default_1 = aten.split_with_sizes(view_default_1) -> (f32[2,48], f32[2,3])  # fc2 copy_out
+getitem_2 = getitem(split_with_sizes_default_1) -> f32[2,48]  # fc2 copy_out
+clone_default_2 = aten.clone(getitem_2) -> f32[2,48]  # fc2 copy_out
+view_default_2 = aten.view(clone_default_2) -> f32[96]  # fc2 copy_out
+slice_tensor = aten.slice(view_default_2) -> f32[80]  # fc2 copy_out
+fc2_weight = aten.view(slice_tensor) -> f32[5,16]  # fc2 copy_out
 t_1 = aten.t(fc2_weight) -> f32[16,5]  # recomputed
 getitem_3 = getitem(split_with_sizes_default_1) -> f32[2,3]  # fc2 copy_out
 clone_default_3 = aten.clone(getitem_3) -> f32[2,3]  # fc2 copy_out
-view_default_2 = aten.view(clone_default_3) -> f32[6]  # fc2 copy_out
-slice_tensor = aten.slice(view_default_2) -> f32[5]  # fc2 copy_out
-fc2_bias = aten.view(slice_tensor) -> f32[5]  # fc2 copy_out
+view_default_3 = aten.view(clone_default_3) -> f32[6]  # fc2 copy_out
+slice_tensor_1 = aten.slice(view_default_3) -> f32[5]  # fc2 copy_out
+fc2_bias = aten.view(slice_tensor_1) -> f32[5]  # fc2 copy_out
 addmm_1 = aten.addmm(fc2_bias, relu, t_1) -> f32[4,5]
-return addmm_1:f32[4,5], primals_3:f32[4,8], primals_4:f32[40], relu:f32[4,16]""")
+return addmm_1:f32[4,5], primals_3:f32[4,8], primals_4:f32[48], relu:f32[4,16]""")
 
 
 def test_mlp_backward_snapshot(mlp_graphs):
     # fc2's weight is gathered again (fc1's input gradient is not needed), then one reduce-scatter per layer.
     assert_graph_snapshot(mlp_graphs["backward"], """\
 primals_3: f32[4,8]
-primals_4: f32[40]
+primals_4: f32[48]
 relu: f32[4,16]
 tangents_1: f32[4,5]
-all_gather_fc2 = c10d.all_gather_into_tensor(primals_4) -> f32[80]  # fc2 all_gather
-wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[80]  # fc2 wait
-fc2_weight = aten.view(wait_fc2) -> f32[5,16]  # fc2 copy_out
+all_gather_fc2 = c10d.all_gather_into_tensor(primals_4) -> f32[96]  # fc2 all_gather
+wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[96]  # fc2 wait
+slice_tensor = aten.slice(wait_fc2) -> f32[80]  # fc2 copy_out
+fc2_weight = aten.view(slice_tensor) -> f32[5,16]  # fc2 copy_out
 t_1 = aten.t(fc2_weight) -> f32[16,5]  # recomputed
 t_2 = aten.t(t_1) -> f32[5,16]  # recomputed
 mm = aten.mm(tangents_1, t_2) -> f32[4,16]
@@ -95,10 +98,11 @@ constant_pad_nd_default = aten.constant_pad_nd(view) -> f32[6]  # fc2 copy_in
 view_default = aten.view(constant_pad_nd_default) -> f32[2,3]  # fc2 copy_in
 t_5 = aten.t(t_4) -> f32[5,16]
 view_default_1 = aten.view(t_5) -> f32[80]  # fc2 copy_in
-view_default_2 = aten.view(view_default_1) -> f32[2,40]  # fc2 copy_in
-cat_default = aten.cat([view_default, view_default_2]) -> f32[2,43]  # fc2 copy_in
-view_default_3 = aten.view(cat_default) -> f32[86]  # fc2 copy_in
-reduce_scatter_fc2 = c10d.reduce_scatter_tensor(view_default_3) -> f32[43]  # fc2 reduce_scatter
+constant_pad_nd_default_1 = aten.constant_pad_nd(view_default_1) -> f32[96]  # fc2 copy_in
+view_default_2 = aten.view(constant_pad_nd_default_1) -> f32[2,48]  # fc2 copy_in
+cat_default = aten.cat([view_default, view_default_2]) -> f32[2,51]  # fc2 copy_in
+view_default_3 = aten.view(cat_default) -> f32[102]  # fc2 copy_in
+reduce_scatter_fc2 = c10d.reduce_scatter_tensor(view_default_3) -> f32[51]  # fc2 reduce_scatter
 detach = aten.detach(relu) -> f32[4,16]
 detach_1 = aten.detach(detach) -> f32[4,16]
 threshold_backward = aten.threshold_backward(mm, detach_1) -> f32[4,16]
@@ -109,10 +113,10 @@ sum_2 = aten.sum(threshold_backward) -> f32[1,16]
 view_1 = aten.view(sum_2) -> f32[16]
 view_default_4 = aten.view(view_1) -> f32[2,8]  # fc1 copy_in
 t_8 = aten.t(t_7) -> f32[16,8]
-wait_fc2_1 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[43]  # fc2 wait
-split_with_sizes_default = aten.split_with_sizes(wait_fc2_1) -> (f32[3], f32[40])  # fc2 copy_out
+wait_fc2_1 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[51]  # fc2 wait
+split_with_sizes_default = aten.split_with_sizes(wait_fc2_1) -> (f32[3], f32[48])  # fc2 copy_out
 fc2_bias_grad = getitem(split_with_sizes_default) -> f32[3]  # fc2 copy_out
-fc2_weight_grad = getitem(split_with_sizes_default) -> f32[40]  # fc2 copy_out
+fc2_weight_grad = getitem(split_with_sizes_default) -> f32[48]  # fc2 copy_out
 view_default_5 = aten.view(t_8) -> f32[128]  # fc1 copy_in
 view_default_6 = aten.view(view_default_5) -> f32[2,64]  # fc1 copy_in
 cat_default_1 = aten.cat([view_default_4, view_default_6]) -> f32[2,72]  # fc1 copy_in
@@ -122,7 +126,7 @@ wait_fc1 = c10d.wait_tensor(reduce_scatter_fc1) -> f32[72]  # fc1 wait
 split_with_sizes_default_1 = aten.split_with_sizes(wait_fc1) -> (f32[8], f32[64])  # fc1 copy_out
 fc1_bias_grad = getitem(split_with_sizes_default_1) -> f32[8]  # fc1 copy_out
 fc1_weight_grad = getitem(split_with_sizes_default_1) -> f32[64]  # fc1 copy_out
-return fc1_weight_grad:f32[64], fc1_bias_grad:f32[8], -, fc2_weight_grad:f32[40], fc2_bias_grad:f32[3]""")
+return fc1_weight_grad:f32[64], fc1_bias_grad:f32[8], -, fc2_weight_grad:f32[48], fc2_bias_grad:f32[3]""")
 
 
 def test_no_marker_survives_lowering(mlp_graphs):
@@ -295,7 +299,7 @@ primals_3: f32[16]
 primals_4: f32[8]
 primals_5: f32[4,8]
 primals_6: f32[5,16]
-primals_7: f32[40]
+primals_7: f32[48]
 primals_8: f32[5]
 primals_9: f32[3]
 t = aten.t(primals_1) -> f32[8,16]
@@ -320,10 +324,11 @@ constant_pad_nd_default = aten.constant_pad_nd(view) -> f32[6]  # fc2 copy_in
 view_default = aten.view(constant_pad_nd_default) -> f32[2,3]  # fc2 copy_in
 t_5 = aten.t(t_4) -> f32[5,16]
 view_default_1 = aten.view(t_5) -> f32[80]  # fc2 copy_in
-view_default_2 = aten.view(view_default_1) -> f32[2,40]  # fc2 copy_in
-cat_default = aten.cat([view_default, view_default_2]) -> f32[2,43]  # fc2 copy_in
-view_default_3 = aten.view(cat_default) -> f32[86]  # fc2 copy_in
-reduce_scatter_fc2 = c10d.reduce_scatter_tensor(view_default_3) -> f32[43]  # fc2 reduce_scatter
+constant_pad_nd_default_1 = aten.constant_pad_nd(view_default_1) -> f32[96]  # fc2 copy_in
+view_default_2 = aten.view(constant_pad_nd_default_1) -> f32[2,48]  # fc2 copy_in
+cat_default = aten.cat([view_default, view_default_2]) -> f32[2,51]  # fc2 copy_in
+view_default_3 = aten.view(cat_default) -> f32[102]  # fc2 copy_in
+reduce_scatter_fc2 = c10d.reduce_scatter_tensor(view_default_3) -> f32[51]  # fc2 reduce_scatter
 detach = aten.detach(relu) -> f32[4,16]
 detach_1 = aten.detach(detach) -> f32[4,16]
 threshold_backward = aten.threshold_backward(mm, detach_1) -> f32[4,16]
@@ -334,10 +339,10 @@ sum_2 = aten.sum(threshold_backward) -> f32[1,16]
 view_1 = aten.view(sum_2) -> f32[16]
 view_default_4 = aten.view(view_1) -> f32[2,8]  # fc1 copy_in
 t_8 = aten.t(t_7) -> f32[16,8]
-wait_fc2 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[43]  # fc2 wait
-split_with_sizes_default = aten.split_with_sizes(wait_fc2) -> (f32[3], f32[40])  # fc2 copy_out
+wait_fc2 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[51]  # fc2 wait
+split_with_sizes_default = aten.split_with_sizes(wait_fc2) -> (f32[3], f32[48])  # fc2 copy_out
 fc2_bias_grad = getitem(split_with_sizes_default) -> f32[3]  # fc2 copy_out
-fc2_weight_grad = getitem(split_with_sizes_default) -> f32[40]  # fc2 copy_out
+fc2_weight_grad = getitem(split_with_sizes_default) -> f32[48]  # fc2 copy_out
 view_default_5 = aten.view(t_8) -> f32[128]  # fc1 copy_in
 view_default_6 = aten.view(view_default_5) -> f32[2,64]  # fc1 copy_in
 cat_default_1 = aten.cat([view_default_4, view_default_6]) -> f32[2,72]  # fc1 copy_in
@@ -347,4 +352,4 @@ wait_fc1 = c10d.wait_tensor(reduce_scatter_fc1) -> f32[72]  # fc1 wait
 split_with_sizes_default_1 = aten.split_with_sizes(wait_fc1) -> (f32[8], f32[64])  # fc1 copy_out
 fc1_bias_grad = getitem(split_with_sizes_default_1) -> f32[8]  # fc1 copy_out
 fc1_weight_grad = getitem(split_with_sizes_default_1) -> f32[64]  # fc1 copy_out
-return -, fc1_weight_grad:f32[64], -, fc1_bias_grad:f32[8], -, -, fc2_weight_grad:f32[40], -, fc2_bias_grad:f32[3]""")
+return -, fc1_weight_grad:f32[64], -, fc1_bias_grad:f32[8], -, -, fc2_weight_grad:f32[48], -, fc2_bias_grad:f32[3]""")

@@ -112,18 +112,18 @@ def test_lowered_backward_graph_with_the_two_groups(hybrid_stage_3):
     assert [n.name for n in replicas] == [f"all_reduce_replicas_layers_{i}" for i in (2, 1, 0)]
     assert all(n.meta["fxshard"]["ranks"] == MESH[0] for n in replicas)
     assert_graph_snapshot(backward, """\
-primals_1: f32[39]
+primals_1: f32[42]
 primals_2: f32[4,7]
-primals_3: f32[72]
-primals_4: f32[33]
+primals_3: f32[77]
+primals_4: f32[39]
 tanh: f32[4,11]
 tanh_1: f32[4,13]
 tangents_1: f32[4,5]
-all_gather_layers_2 = c10d.all_gather_into_tensor(primals_4) -> f32[66]  # layers.2 all_gather
+all_gather_layers_2 = c10d.all_gather_into_tensor(primals_4) -> f32[78]  # layers.2 all_gather
 t_3 = aten.t(tangents_1) -> f32[5,4]
 mm_3 = aten.mm(t_3, tanh_1) -> f32[5,13]
 t_4 = aten.t(mm_3) -> f32[13,5]
-wait_layers_2 = c10d.wait_tensor(all_gather_layers_2) -> f32[66]  # layers.2 wait
+wait_layers_2 = c10d.wait_tensor(all_gather_layers_2) -> f32[78]  # layers.2 wait
 slice_tensor = aten.slice(wait_layers_2) -> f32[65]  # layers.2 copy_out
 layers_2_weight = aten.view(slice_tensor) -> f32[5,13]  # layers.2 copy_out
 t_2 = aten.t(layers_2_weight) -> f32[13,5]  # recomputed
@@ -131,19 +131,19 @@ t_5 = aten.t(t_2) -> f32[5,13]  # recomputed
 mm_4 = aten.mm(tangents_1, t_5) -> f32[4,13]
 t_6 = aten.t(t_4) -> f32[5,13]
 view_default = aten.view(t_6) -> f32[65]  # layers.2 copy_in
-constant_pad_nd_default = aten.constant_pad_nd(view_default) -> f32[66]  # layers.2 copy_in
-reduce_scatter_layers_2 = c10d.reduce_scatter_tensor(constant_pad_nd_default) -> f32[33]  # layers.2 reduce_scatter
-wait_layers_3 = c10d.wait_tensor(reduce_scatter_layers_2) -> f32[33]  # layers.2 wait
-all_reduce_replicas_layers_2 = c10d.all_reduce(wait_layers_3) -> f32[33]  # layers.2 all_reduce
+constant_pad_nd_default = aten.constant_pad_nd(view_default) -> f32[78]  # layers.2 copy_in
+reduce_scatter_layers_2 = c10d.reduce_scatter_tensor(constant_pad_nd_default) -> f32[39]  # layers.2 reduce_scatter
+wait_layers_3 = c10d.wait_tensor(reduce_scatter_layers_2) -> f32[39]  # layers.2 wait
+all_reduce_replicas_layers_2 = c10d.all_reduce(wait_layers_3) -> f32[39]  # layers.2 all_reduce
 detach_1 = aten.detach(tanh_1) -> f32[4,13]
 detach_2 = aten.detach(detach_1) -> f32[4,13]
 tanh_backward = aten.tanh_backward(mm_4, detach_2) -> f32[4,13]
 t_7 = aten.t(tanh_backward) -> f32[13,4]
 mm_5 = aten.mm(t_7, tanh) -> f32[13,11]
 t_8 = aten.t(mm_5) -> f32[11,13]
-wait_replicas_layers_2 = c10d.wait_tensor(all_reduce_replicas_layers_2) -> f32[33]  # layers.2 wait
-all_gather_layers_1 = c10d.all_gather_into_tensor(primals_3) -> f32[144]  # layers.1 all_gather
-wait_layers_1 = c10d.wait_tensor(all_gather_layers_1) -> f32[144]  # layers.1 wait
+wait_replicas_layers_2 = c10d.wait_tensor(all_reduce_replicas_layers_2) -> f32[39]  # layers.2 wait
+all_gather_layers_1 = c10d.all_gather_into_tensor(primals_3) -> f32[154]  # layers.1 all_gather
+wait_layers_1 = c10d.wait_tensor(all_gather_layers_1) -> f32[154]  # layers.1 wait
 slice_tensor_1 = aten.slice(wait_layers_1) -> f32[143]  # layers.1 copy_out
 layers_1_weight = aten.view(slice_tensor_1) -> f32[13,11]  # layers.1 copy_out
 t_1 = aten.t(layers_1_weight) -> f32[11,13]  # recomputed
@@ -151,19 +151,19 @@ t_9 = aten.t(t_1) -> f32[13,11]  # recomputed
 mm_6 = aten.mm(tanh_backward, t_9) -> f32[4,11]
 t_10 = aten.t(t_8) -> f32[13,11]
 view_default_1 = aten.view(t_10) -> f32[143]  # layers.1 copy_in
-constant_pad_nd_default_1 = aten.constant_pad_nd(view_default_1) -> f32[144]  # layers.1 copy_in
-reduce_scatter_layers_1 = c10d.reduce_scatter_tensor(constant_pad_nd_default_1) -> f32[72]  # layers.1 reduce_scatter
-wait_layers_4 = c10d.wait_tensor(reduce_scatter_layers_1) -> f32[72]  # layers.1 wait
-all_reduce_replicas_layers_1 = c10d.all_reduce(wait_layers_4) -> f32[72]  # layers.1 all_reduce
+constant_pad_nd_default_1 = aten.constant_pad_nd(view_default_1) -> f32[154]  # layers.1 copy_in
+reduce_scatter_layers_1 = c10d.reduce_scatter_tensor(constant_pad_nd_default_1) -> f32[77]  # layers.1 reduce_scatter
+wait_layers_4 = c10d.wait_tensor(reduce_scatter_layers_1) -> f32[77]  # layers.1 wait
+all_reduce_replicas_layers_1 = c10d.all_reduce(wait_layers_4) -> f32[77]  # layers.1 all_reduce
 detach = aten.detach(tanh) -> f32[4,11]
 detach_3 = aten.detach(detach) -> f32[4,11]
 tanh_backward_1 = aten.tanh_backward(mm_6, detach_3) -> f32[4,11]
 t_11 = aten.t(tanh_backward_1) -> f32[11,4]
 mm_7 = aten.mm(t_11, primals_2) -> f32[11,7]
-wait_replicas_layers_1 = c10d.wait_tensor(all_reduce_replicas_layers_1) -> f32[72]  # layers.1 wait
-all_gather_layers_0 = c10d.all_gather_into_tensor(primals_1) -> f32[78]  # layers.0 all_gather
+wait_replicas_layers_1 = c10d.wait_tensor(all_reduce_replicas_layers_1) -> f32[77]  # layers.1 wait
+all_gather_layers_0 = c10d.all_gather_into_tensor(primals_1) -> f32[84]  # layers.0 all_gather
 t_12 = aten.t(mm_7) -> f32[7,11]
-wait_layers_0 = c10d.wait_tensor(all_gather_layers_0) -> f32[78]  # layers.0 wait
+wait_layers_0 = c10d.wait_tensor(all_gather_layers_0) -> f32[84]  # layers.0 wait
 slice_tensor_2 = aten.slice(wait_layers_0) -> f32[77]  # layers.0 copy_out
 layers_0_weight = aten.view(slice_tensor_2) -> f32[11,7]  # layers.0 copy_out
 t = aten.t(layers_0_weight) -> f32[7,11]  # recomputed
@@ -171,12 +171,12 @@ t_13 = aten.t(t) -> f32[11,7]  # recomputed
 mm_8 = aten.mm(tanh_backward_1, t_13) -> f32[4,7]
 t_14 = aten.t(t_12) -> f32[11,7]
 view_default_2 = aten.view(t_14) -> f32[77]  # layers.0 copy_in
-constant_pad_nd_default_2 = aten.constant_pad_nd(view_default_2) -> f32[78]  # layers.0 copy_in
-reduce_scatter_layers_0 = c10d.reduce_scatter_tensor(constant_pad_nd_default_2) -> f32[39]  # layers.0 reduce_scatter
-wait_layers_5 = c10d.wait_tensor(reduce_scatter_layers_0) -> f32[39]  # layers.0 wait
-all_reduce_replicas_layers_0 = c10d.all_reduce(wait_layers_5) -> f32[39]  # layers.0 all_reduce
-wait_replicas_layers_0 = c10d.wait_tensor(all_reduce_replicas_layers_0) -> f32[39]  # layers.0 wait
-return wait_replicas_layers_0:f32[39], mm_8:f32[4,7], wait_replicas_layers_1:f32[72], wait_replicas_layers_2:f32[33]""")
+constant_pad_nd_default_2 = aten.constant_pad_nd(view_default_2) -> f32[84]  # layers.0 copy_in
+reduce_scatter_layers_0 = c10d.reduce_scatter_tensor(constant_pad_nd_default_2) -> f32[42]  # layers.0 reduce_scatter
+wait_layers_5 = c10d.wait_tensor(reduce_scatter_layers_0) -> f32[42]  # layers.0 wait
+all_reduce_replicas_layers_0 = c10d.all_reduce(wait_layers_5) -> f32[42]  # layers.0 all_reduce
+wait_replicas_layers_0 = c10d.wait_tensor(all_reduce_replicas_layers_0) -> f32[42]  # layers.0 wait
+return wait_replicas_layers_0:f32[42], mm_8:f32[4,7], wait_replicas_layers_1:f32[77], wait_replicas_layers_2:f32[39]""")
 
 
 def test_budget_command_splits_a_mesh(capsys):

@@ -202,15 +202,15 @@ def test_optimizer_graph_snapshot_stage_2():
     assert_fxshard_snapshot(rewritten.after, """\
 l_self_param_groups_0_params_0_grad: f32[64]
 l_self_param_groups_0_params_1_grad: f32[8]
-l_self_param_groups_0_params_2_grad: f32[40]
+l_self_param_groups_0_params_2_grad: f32[48]
 l_self_param_groups_0_params_3_grad: f32[3]
 p = get_attr() -> f32[64]  # fc1 updated_shard
 x = get_attr() -> f32[8]  # fc1 updated_shard
-x_1 = get_attr() -> f32[40]  # fc2 updated_shard
+x_1 = get_attr() -> f32[48]  # fc2 updated_shard
 x_2 = get_attr() -> f32[3]  # fc2 updated_shard
 add_ = .add_(p, l_self_param_groups_0_params_0_grad) -> f32[64]
 add__1 = .add_(x, l_self_param_groups_0_params_1_grad) -> f32[8]
-add__2 = .add_(x_1, l_self_param_groups_0_params_2_grad) -> f32[40]
+add__2 = .add_(x_1, l_self_param_groups_0_params_2_grad) -> f32[48]
 add__3 = .add_(x_2, l_self_param_groups_0_params_3_grad) -> f32[3]
 _fxshard_publish_0 = get_attr() -> -  # fc1 publish
 unshard_default = fxshard.unshard(x) -> -  # fc1 publish
@@ -228,7 +228,7 @@ return """)
     assert_fxshard_snapshot(graphs["inference"].final, """\
 arg0_1: f32[64]
 arg1_1: f32[8]
-arg2_1: f32[40]
+arg2_1: f32[48]
 arg3_1: f32[3]
 arg4_1: f32[16]
 arg5_1: f32[16,8]
@@ -236,16 +236,16 @@ arg6_1: f32[5]
 arg7_1: f32[5,16]
 arg8_1: f32[64]
 arg9_1: f32[8]
-arg10_1: f32[40]
+arg10_1: f32[48]
 arg11_1: f32[3]
 add = aten.add(arg0_1, arg8_1) -> f32[64]
 add_1 = aten.add(arg1_1, arg9_1) -> f32[8]
 cat_default = aten.cat([add_1, add]) -> f32[72]  # fc1 copy_in
 all_gather_fc1 = c10d.all_gather_into_tensor(cat_default) -> f32[144]  # fc1 all_gather
-add_2 = aten.add(arg2_1, arg10_1) -> f32[40]
+add_2 = aten.add(arg2_1, arg10_1) -> f32[48]
 add_3 = aten.add(arg3_1, arg11_1) -> f32[3]
-cat_default_1 = aten.cat([add_3, add_2]) -> f32[43]  # fc2 copy_in
-all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[86]  # fc2 all_gather
+cat_default_1 = aten.cat([add_3, add_2]) -> f32[51]  # fc2 copy_in
+all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[102]  # fc2 all_gather
 wait_fc1 = c10d.wait_tensor(all_gather_fc1) -> f32[144]  # fc1 wait
 view_default = aten.view(wait_fc1) -> f32[2,72]  # fc1 copy_out
 split_with_sizes_default = aten.split_with_sizes(view_default) -> (f32[2,8], f32[2,64])  # fc1 copy_out
@@ -257,20 +257,22 @@ getitem_1 = getitem(split_with_sizes_default) -> f32[2,64]  # fc1 copy_out
 clone_default_1 = aten.clone(getitem_1) -> f32[2,64]  # fc1 copy_out
 fc1_weight = aten.view(clone_default_1) -> f32[16,8]  # fc1 copy_out
 copy_1 = aten.copy(arg5_1, fc1_weight) -> f32[16,8]
-wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[86]  # fc2 wait
-view_default_1 = aten.view(wait_fc2) -> f32[2,43]  # fc2 copy_out
-split_with_sizes_default_1 = aten.split_with_sizes(view_default_1) -> (f32[2,3], f32[2,40])  # fc2 copy_out
+wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[102]  # fc2 wait
+view_default_1 = aten.view(wait_fc2) -> f32[2,51]  # fc2 copy_out
+split_with_sizes_default_1 = aten.split_with_sizes(view_default_1) -> (f32[2,3], f32[2,48])  # fc2 copy_out
 getitem_2 = getitem(split_with_sizes_default_1) -> f32[2,3]  # fc2 copy_out
 clone_default_2 = aten.clone(getitem_2) -> f32[2,3]  # fc2 copy_out
 view_default_2 = aten.view(clone_default_2) -> f32[6]  # fc2 copy_out
 slice_tensor = aten.slice(view_default_2) -> f32[5]  # fc2 copy_out
 fc2_bias = aten.view(slice_tensor) -> f32[5]  # fc2 copy_out
 copy_2 = aten.copy(arg6_1, fc2_bias) -> f32[5]
-getitem_3 = getitem(split_with_sizes_default_1) -> f32[2,40]  # fc2 copy_out
-clone_default_3 = aten.clone(getitem_3) -> f32[2,40]  # fc2 copy_out
-fc2_weight = aten.view(clone_default_3) -> f32[5,16]  # fc2 copy_out
+getitem_3 = getitem(split_with_sizes_default_1) -> f32[2,48]  # fc2 copy_out
+clone_default_3 = aten.clone(getitem_3) -> f32[2,48]  # fc2 copy_out
+view_default_3 = aten.view(clone_default_3) -> f32[96]  # fc2 copy_out
+slice_tensor_1 = aten.slice(view_default_3) -> f32[80]  # fc2 copy_out
+fc2_weight = aten.view(slice_tensor_1) -> f32[5,16]  # fc2 copy_out
 copy_3 = aten.copy(arg7_1, fc2_weight) -> f32[5,16]
-return add:f32[64], add_1:f32[8], add_2:f32[40], add_3:f32[3], copy:f32[16], copy_1:f32[16,8], copy_2:f32[5], copy_3:f32[5,16]""")
+return add:f32[64], add_1:f32[8], add_2:f32[48], add_3:f32[3], copy:f32[16], copy_1:f32[16,8], copy_2:f32[5], copy_3:f32[5,16]""")
 
 
 def test_optimizer_graph_snapshot_stage_0():
@@ -303,17 +305,17 @@ def test_optimizer_graph_snapshot_stage_3():
     assert_fxshard_snapshot(_optimizer_graphs(3)["inference"].final, """\
 arg0_1: f32[64]
 arg1_1: f32[8]
-arg2_1: f32[40]
+arg2_1: f32[48]
 arg3_1: f32[3]
 arg4_1: f32[64]
 arg5_1: f32[8]
-arg6_1: f32[40]
+arg6_1: f32[48]
 arg7_1: f32[3]
 add = aten.add(arg0_1, arg4_1) -> f32[64]
 add_1 = aten.add(arg1_1, arg5_1) -> f32[8]
-add_2 = aten.add(arg2_1, arg6_1) -> f32[40]
+add_2 = aten.add(arg2_1, arg6_1) -> f32[48]
 add_3 = aten.add(arg3_1, arg7_1) -> f32[3]
-return add:f32[64], add_1:f32[8], add_2:f32[40], add_3:f32[3]""")
+return add:f32[64], add_1:f32[8], add_2:f32[48], add_3:f32[3]""")
 
 
 def test_a_stage_1_optimizer_holds_the_model_parameters_and_steps_their_masters():

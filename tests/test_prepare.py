@@ -11,17 +11,20 @@ from fxshard.report import collectives
 from fxshard.testing import fake_process_group
 
 
-def test_parameters_become_padded_flat_shards_under_their_own_names():
+def test_parameters_become_padded_flat_shards_of_whole_rows_under_their_own_names():
     with fake_process_group(3, rank=2):
         model = MLP(d_in=7, d_hidden=11, d_out=5)
+        original = model.fc1.weight.detach().clone()
         names = [n for n, _ in model.named_parameters()]
         model, _ = fxshard.backend(compiler="eager", stage=3).prepare(model)
         params = dict(model.named_parameters())
     assert list(params) == names
-    assert params["fc1.weight"].shape == (26,)  # 77 elements: 26 per rank, the last rank holds 1 padding
+    # 11 rows of 7 over 3 ranks: 4 rows (28 elements) per rank; the last rank holds rows 8-10 and one row of padding
+    assert params["fc1.weight"].shape == (28,)
     spec = spec_of(params["fc1.weight"])
-    assert (spec.full_shape, spec.chunk, spec.padding, spec.rank) == ((11, 7), 26, 1, 2)
-    assert params["fc1.weight"][-1].item() == 0.0  # padding is zero, so it adds nothing to norms or updates
+    assert (spec.full_shape, spec.chunk, spec.padding, spec.rank) == ((11, 7), 28, 7, 2)
+    assert torch.equal(params["fc1.weight"][:21].view(3, 7), original[8:])  # its rows, as Shard(0) splits them
+    assert params["fc1.weight"][21:].eq(0).all()  # padding is zero, so it adds nothing to norms or updates
 
 
 def test_state_dict_is_full_and_unpadded_and_loads_full_tensors(pools):
@@ -90,7 +93,8 @@ def test_existing_optimizer_state_is_sharded_not_lost():
         momentum = opt.state[model.fc2.weight]["momentum_buffer"].clone()
         model, sharded = fxshard.backend(compiler="eager", stage=3).prepare(model, opt)
         shard_state = sharded.state[model.fc2._parameters["weight"]]["momentum_buffer"]
-    assert torch.equal(shard_state, momentum.flatten()[40:80])  # rank 1 of 2: the second half of 80 elements
+    # rank 1 of 2 holds rows 3 and 4 of the (5, 16) weight, then one row of padding
+    assert torch.equal(shard_state[:32], momentum[3:].flatten()) and shard_state[32:].eq(0).all()
 
 
 def test_registered_backend_name():

@@ -256,7 +256,7 @@ primals_1: f32[4,8]
 primals_2: DeviceMesh
 primals_3: f32[32]
 primals_4: f32[4]
-primals_5: f32[20]
+primals_5: f32[24]
 primals_6: f32[3]
 view = aten.view(primals_1) -> f32[4,8]
 cat_default = aten.cat([primals_3, primals_4]) -> f32[36]  # fc1 copy_in
@@ -274,23 +274,25 @@ fc1_bias = aten.view(clone_default_1) -> f32[8]  # fc1 copy_out
 view_2 = aten.view(fc1_bias) -> f32[8]  # recomputed
 t = aten.t(view_1) -> f32[8,8]  # recomputed
 addmm = aten.addmm(view_2, view, t) -> f32[4,8]
-cat_default_1 = aten.cat([primals_5, primals_6]) -> f32[23]  # fc2 copy_in
-all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[46]  # fc2 all_gather
 view_3 = aten.view(addmm) -> f32[4,8]
 relu = aten.relu(view_3) -> f32[4,8]
+cat_default_1 = aten.cat([primals_5, primals_6]) -> f32[27]  # fc2 copy_in
+all_gather_fc2 = c10d.all_gather_into_tensor(cat_default_1) -> f32[54]  # fc2 all_gather
 view_4 = aten.view(relu) -> f32[4,8]
-wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[46]  # fc2 wait
-view_default_1 = aten.view(wait_fc2) -> f32[2,23]  # fc2 copy_out
-split_with_sizes_default_1 = aten.split_with_sizes(view_default_1) -> (f32[2,20], f32[2,3])  # fc2 copy_out
-getitem_2 = getitem(split_with_sizes_default_1) -> f32[2,20]  # fc2 copy_out
-clone_default_2 = aten.clone(getitem_2) -> f32[2,20]  # fc2 copy_out
-fc2_weight = aten.view(clone_default_2) -> f32[5,8]  # fc2 copy_out
+wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[54]  # fc2 wait
+view_default_1 = aten.view(wait_fc2) -> f32[2,27]  # fc2 copy_out
+split_with_sizes_default_1 = aten.split_with_sizes(view_default_1) -> (f32[2,24], f32[2,3])  # fc2 copy_out
+getitem_2 = getitem(split_with_sizes_default_1) -> f32[2,24]  # fc2 copy_out
+clone_default_2 = aten.clone(getitem_2) -> f32[2,24]  # fc2 copy_out
+view_default_2 = aten.view(clone_default_2) -> f32[48]  # fc2 copy_out
+slice_tensor = aten.slice(view_default_2) -> f32[40]  # fc2 copy_out
+fc2_weight = aten.view(slice_tensor) -> f32[5,8]  # fc2 copy_out
 view_5 = aten.view(fc2_weight) -> f32[5,8]  # recomputed
 getitem_3 = getitem(split_with_sizes_default_1) -> f32[2,3]  # fc2 copy_out
 clone_default_3 = aten.clone(getitem_3) -> f32[2,3]  # fc2 copy_out
-view_default_2 = aten.view(clone_default_3) -> f32[6]  # fc2 copy_out
-slice_tensor = aten.slice(view_default_2) -> f32[5]  # fc2 copy_out
-fc2_bias = aten.view(slice_tensor) -> f32[5]  # fc2 copy_out
+view_default_3 = aten.view(clone_default_3) -> f32[6]  # fc2 copy_out
+slice_tensor_1 = aten.slice(view_default_3) -> f32[5]  # fc2 copy_out
+fc2_bias = aten.view(slice_tensor_1) -> f32[5]  # fc2 copy_out
 view_6 = aten.view(fc2_bias) -> f32[5]  # recomputed
 t_1 = aten.t(view_5) -> f32[8,5]  # recomputed
 div = aten.div(view_6) -> f32[5]
@@ -298,17 +300,18 @@ addmm_1 = aten.addmm(div, view_4, t_1) -> f32[4,5]
 all_reduce = c10d.all_reduce(addmm_1) -> f32[4,5]
 wait_tensor = c10d.wait_tensor(all_reduce) -> f32[4,5]
 view_7 = aten.view(wait_tensor) -> f32[4,5]
-return view_7:f32[4,5], primals_5:f32[20], primals_6:f32[3], view:f32[4,8], relu:f32[4,8]""")
+return view_7:f32[4,5], primals_5:f32[24], primals_6:f32[3], view:f32[4,8], relu:f32[4,8]""")
     assert_fxshard_snapshot(graphs["backward"], """\
-primals_5: f32[20]
+primals_5: f32[24]
 primals_6: f32[3]
 view: f32[4,8]
 relu: f32[4,8]
 tangents_1: f32[4,5]
-all_gather_fc2 = c10d.all_gather_into_tensor(primals_5) -> f32[40]  # fc2 all_gather
+all_gather_fc2 = c10d.all_gather_into_tensor(primals_5) -> f32[48]  # fc2 all_gather
 view_8 = aten.view(tangents_1) -> f32[4,5]
-wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[40]  # fc2 wait
-fc2_weight = aten.view(wait_fc2) -> f32[5,8]  # fc2 copy_out
+wait_fc2 = c10d.wait_tensor(all_gather_fc2) -> f32[48]  # fc2 wait
+slice_tensor = aten.slice(wait_fc2) -> f32[40]  # fc2 copy_out
+fc2_weight = aten.view(slice_tensor) -> f32[5,8]  # fc2 copy_out
 view_5 = aten.view(fc2_weight) -> f32[5,8]  # recomputed
 t_1 = aten.t(view_5) -> f32[8,5]  # recomputed
 t_2 = aten.t(t_1) -> f32[5,8]  # recomputed
@@ -323,10 +326,11 @@ constant_pad_nd_default = aten.constant_pad_nd(view_9) -> f32[6]  # fc2 copy_in
 view_default = aten.view(constant_pad_nd_default) -> f32[2,3]  # fc2 copy_in
 t_5 = aten.t(t_4) -> f32[5,8]
 view_default_1 = aten.view(t_5) -> f32[40]  # fc2 copy_in
-view_default_2 = aten.view(view_default_1) -> f32[2,20]  # fc2 copy_in
-cat_default = aten.cat([view_default, view_default_2]) -> f32[2,23]  # fc2 copy_in
-view_default_3 = aten.view(cat_default) -> f32[46]  # fc2 copy_in
-reduce_scatter_fc2 = c10d.reduce_scatter_tensor(view_default_3) -> f32[23]  # fc2 reduce_scatter
+constant_pad_nd_default_1 = aten.constant_pad_nd(view_default_1) -> f32[48]  # fc2 copy_in
+view_default_2 = aten.view(constant_pad_nd_default_1) -> f32[2,24]  # fc2 copy_in
+cat_default = aten.cat([view_default, view_default_2]) -> f32[2,27]  # fc2 copy_in
+view_default_3 = aten.view(cat_default) -> f32[54]  # fc2 copy_in
+reduce_scatter_fc2 = c10d.reduce_scatter_tensor(view_default_3) -> f32[27]  # fc2 reduce_scatter
 detach = aten.detach(relu) -> f32[4,8]
 detach_1 = aten.detach(detach) -> f32[4,8]
 threshold_backward = aten.threshold_backward(mm, detach_1) -> f32[4,8]
@@ -338,10 +342,10 @@ sum_2 = aten.sum(view_10) -> f32[1,8]
 view_11 = aten.view(sum_2) -> f32[8]
 view_default_4 = aten.view(view_11) -> f32[2,4]  # fc1 copy_in
 t_8 = aten.t(t_7) -> f32[8,8]
-wait_fc2_1 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[23]  # fc2 wait
-split_with_sizes_default = aten.split_with_sizes(wait_fc2_1) -> (f32[3], f32[20])  # fc2 copy_out
+wait_fc2_1 = c10d.wait_tensor(reduce_scatter_fc2) -> f32[27]  # fc2 wait
+split_with_sizes_default = aten.split_with_sizes(wait_fc2_1) -> (f32[3], f32[24])  # fc2 copy_out
 fc2_bias_grad = getitem(split_with_sizes_default) -> f32[3]  # fc2 copy_out
-fc2_weight_grad = getitem(split_with_sizes_default) -> f32[20]  # fc2 copy_out
+fc2_weight_grad = getitem(split_with_sizes_default) -> f32[24]  # fc2 copy_out
 view_default_5 = aten.view(t_8) -> f32[64]  # fc1 copy_in
 view_default_6 = aten.view(view_default_5) -> f32[2,32]  # fc1 copy_in
 cat_default_1 = aten.cat([view_default_4, view_default_6]) -> f32[2,36]  # fc1 copy_in
@@ -351,4 +355,4 @@ wait_fc1 = c10d.wait_tensor(reduce_scatter_fc1) -> f32[36]  # fc1 wait
 split_with_sizes_default_1 = aten.split_with_sizes(wait_fc1) -> (f32[4], f32[32])  # fc1 copy_out
 fc1_bias_grad = getitem(split_with_sizes_default_1) -> f32[4]  # fc1 copy_out
 fc1_weight_grad = getitem(split_with_sizes_default_1) -> f32[32]  # fc1 copy_out
-return -, -, fc1_weight_grad:f32[32], fc1_bias_grad:f32[4], fc2_weight_grad:f32[20], fc2_bias_grad:f32[3]""")
+return -, -, fc1_weight_grad:f32[32], fc1_bias_grad:f32[4], fc2_weight_grad:f32[24], fc2_bias_grad:f32[3]""")

@@ -72,9 +72,9 @@ def test_the_decisions_are_each_nodes_fxshard_record(traced):
 
 def test_torch_logs_fxshard_prints_a_line_per_pass(traced):
     stderr, _, _ = traced
-    assert "graph 0 forward, after lower_collectives_pass: 2 all_gather, 2 copy_in, 18 copy_out, 2 wait; 2 units" \
+    assert "graph 0 forward, after lower_collectives_pass: 2 all_gather, 2 copy_in, 20 copy_out, 2 wait; 2 units" \
         in stderr, stderr[-2000:]
-    assert "graph 0 backward, after prefetch_pass: 1 all_gather, 11 copy_in, 7 copy_out, 2 reduce_scatter, 3 wait; " \
+    assert "graph 0 backward, after prefetch_pass: 1 all_gather, 12 copy_in, 8 copy_out, 2 reduce_scatter, 3 wait; " \
         "2 units" in stderr
 
 

@@ -41,36 +41,44 @@ def _average_grads(model: nn.Module) -> None:
         dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
 
 
-def dropout_against_ddp(stage: int, steps: int = 3) -> dict:
-    """DropoutNet under fxshard's default compiler (Inductor) beside a copy compiled by plain ``torch.compile`` whose
-    gradients are averaged as DDP averages them. Each rank seeds its generator with its own seed before each
-    forward of either model, and both read the same batch on every rank, so the masks alone tell the ranks apart."""
+def _train_with_dropout(net, optimizer, sync, steps: int) -> list[float]:
+    """``steps`` SGD steps on the same batches on every rank, each rank's generator seeded apart before each forward
+    (so the masks alone tell the ranks apart); ``sync`` averages the gradients, where the model does not itself."""
     rank, _ = rank_and_world()
-    torch.manual_seed(0)
-    model = DropoutNet()
-    reference = copy.deepcopy(model)
-    reference_opt = torch.optim.SGD(reference.parameters(), lr=SGD_LR)
-    reference_run = torch.compile(reference)
-    backend = fxshard.backend(stage=stage)
-    model, opt = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=SGD_LR))
-    run = torch.compile(model, backend=backend, fullgraph=True)
     generator = torch.Generator().manual_seed(1)
-    losses, reference_losses = [], []
+    losses = []
     for step in range(steps):
         inputs, targets = torch.randn(4, 8, generator=generator), torch.randn(4, 5, generator=generator)
-        for net, optimizer, record, sync in ((run, opt, losses, None), (reference_run, reference_opt,
-                                                                         reference_losses, _average_grads)):
-            torch.manual_seed(1000 * step + rank)
-            loss = F.mse_loss(net(inputs), targets)
-            loss.backward()
-            if sync is not None:
-                sync(reference)
-            optimizer.step()
-            optimizer.zero_grad()
-            record.append(loss.item())
-    return {"losses": losses, "reference_losses": reference_losses, "final": full_state(model),
-            "expected": reference.state_dict(), "compiled_graphs": sorted({(r.graph_id, r.kind)
-                                                                           for r in backend.graphs})}
+        torch.manual_seed(1000 * step + rank)
+        loss = F.mse_loss(net(inputs), targets)
+        loss.backward()
+        sync()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def dropout_against_ddp(stages: tuple[int, ...], steps: int = 3) -> dict:
+    """DropoutNet under fxshard's default compiler (Inductor) at each of ``stages``, beside one copy compiled by
+    plain ``torch.compile`` whose gradients are averaged as DDP averages them, on the same batches and seeds.
+    Returns the reference's losses and parameters, and per stage fxshard's."""
+    torch.manual_seed(0)
+    initial = DropoutNet()
+    reference = copy.deepcopy(initial)
+    reference_losses = _train_with_dropout(torch.compile(reference), torch.optim.SGD(reference.parameters(),
+                                                                                        lr=SGD_LR),
+                                           lambda: _average_grads(reference), steps)
+    runs = {}
+    for stage in stages:
+        torch._dynamo.reset()
+        backend = fxshard.backend(stage=stage)
+        model = copy.deepcopy(initial)
+        model, opt = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=SGD_LR))
+        losses = _train_with_dropout(torch.compile(model, backend=backend, fullgraph=True), opt, lambda: None, steps)
+        runs[stage] = {"losses": losses, "final": full_state(model),
+                       "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs})}
+    return {"reference_losses": reference_losses, "expected": reference.state_dict(), "stages": runs}
 
 
 # --- the HuggingFace zoo (examples/model_zoo.py) ------------------------------------------------------------------

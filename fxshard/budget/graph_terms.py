@@ -16,6 +16,7 @@ from torch import fx
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import (COLLECTIVE_ROLES, FUNCTIONAL_COLLECTIVES, aliases_its_input, replica_ranks,
                                      size_hint)
+from fxshard.runtime.sharding import row_size
 from fxshard.torch_compat import (
     LocalSource,
     SavedForBackwardsAOTOutput,
@@ -39,10 +40,16 @@ class Param:
     numel: int
     reads: str  # "local" (the graph reads the trainable leaf whole), "gathered" (gathers the leaf), "resident", "plain"
     sites: list[str] = dataclasses.field(default_factory=list)
+    row: int = 1  # elements of one dim-0 row: a shard holds whole rows
 
     @property
     def count(self) -> sympy.Symbol:
         return psi(self.name)
+
+    @property
+    def shard(self) -> sympy.Expr:
+        """Elements of one rank's shard of it."""
+        return shard(self.count, self.row)
 
 
 def input_index(node) -> int | None:
@@ -74,7 +81,7 @@ def parameters_of_joint(joint: fx.GraphModule, names: dict[tuple, str] | None = 
             reads = "gathered"
         else:
             reads = "local"
-        param = found.setdefault(idx, Param(args["fqn"], numel, reads))
+        param = found.setdefault(idx, Param(args["fqn"], numel, reads, row=row_size(args["full_shape"])))
         param.sites.append(args["fqn"])
     if not found:  # no markers: the graph reads every parameter as it is (stage 1 keeps them full and plain)
         output = next(iter(joint.graph.find_nodes(op="output")))
@@ -167,8 +174,8 @@ def _quantized_terms(node: fx.Node, kind: str, source: str, sizes: Sizes) -> lis
     its values at the wire width ``q_param`` / ``q_grad``, and, blockwise, one fp32 scale per block as a term of its
     own. A gather packs one row (this rank's shards), the gradients' all-to-all N rows."""
     meta = _meta(node)
-    counts = [p.count for p in sizes.of_sites(meta.get("params", []))]
-    row = sizes.matching(meta["row"], [sympy.Add(*map(shard, counts))])
+    params = sizes.of_sites(meta.get("params", []))
+    row = sizes.matching(meta["row"], [sympy.Add(*(p.shard for p in params))])
     rows = 1 if kind == "all_gather" else N
     buffer = node.args[0].meta["val"]
     width = Q_PARAM if kind == "all_gather" else Q_GRAD
@@ -216,10 +223,11 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes,
         from_secondary = meta.get("across") == "secondary"  # reshard_after_forward=k: a re-gather over K ranks
         if from_secondary:
             sizes.values[K] = meta["ranks"]
+        shards = sympy.Add(*(p.shard for p in params))
         candidates = {
-            "all_gather": [N * sympy.Add(*map(shard, counts)) / K if from_secondary else sympy.Add(*map(shard, counts))],
-            "reduce_scatter": [N * sympy.Add(*map(shard, counts))],
-            "all_reduce": [sympy.Add(*map(shard, counts)) if across_replicas else sympy.Add(*counts)],
+            "all_gather": [N * shards / K if from_secondary else shards],
+            "reduce_scatter": [N * shards],
+            "all_reduce": [shards if across_replicas else sympy.Add(*counts)],
         }[kind]
         elements = sizes.matching(size_hint(buffer.numel()), candidates)
         width = width_of(buffer, B_PARAM if kind == "all_gather" else B_GRAD, sizes.values)
@@ -338,7 +346,7 @@ def _reduce_buffer_expr(node: fx.Node, sizes: Sizes) -> sympy.Expr:
     """A gradient buffer built for a reduction: a padded flat gradient, or the unit's concatenation of them."""
     params = sizes.of_sites(_meta(node).get("params", []))
     counts = [p.count for p in params]
-    padded = [N * sympy.Add(*map(shard, counts))] + [N * shard(c) for c in counts]
+    padded = [N * sympy.Add(*(p.shard for p in params))] + [N * p.shard for p in params]
     whole = [sympy.Add(*counts)] + counts
     all_reduce = any(_meta(u).get("role") == "all_reduce" for u in _users_through_views(node))
     return sizes.matching(size_hint(node.meta["val"].numel()), whole + padded if all_reduce else padded + whole)
@@ -346,7 +354,7 @@ def _reduce_buffer_expr(node: fx.Node, sizes: Sizes) -> sympy.Expr:
 
 def _gathered_expr(wait: fx.Node, sizes: Sizes) -> sympy.Expr:
     params = sizes.of_sites(_meta(wait).get("params", []))
-    return sizes.matching(size_hint(wait.meta["val"].numel()), [N * sympy.Add(*(shard(p.count) for p in params))])
+    return sizes.matching(size_hint(wait.meta["val"].numel()), [N * sympy.Add(*(p.shard for p in params))])
 
 
 def _column_expr(clone: fx.Node, sizes: Sizes) -> sympy.Expr:
@@ -355,7 +363,7 @@ def _column_expr(clone: fx.Node, sizes: Sizes) -> sympy.Expr:
     piece = clone.args[0]
     if isinstance(piece, fx.Node) and piece.target is operator.getitem and piece.args[1] < len(params):
         params = [params[piece.args[1]]] + params
-    return sizes.matching(numel, [N * shard(p.count) for p in params])
+    return sizes.matching(numel, [N * p.shard for p in params])
 
 
 def _secondary_shard(node: fx.Node, value: torch.Tensor, sizes: Sizes) -> tuple[str, sympy.Expr, sympy.Expr]:
@@ -363,7 +371,7 @@ def _secondary_shard(node: fx.Node, value: torch.Tensor, sizes: Sizes) -> tuple[
     its weight's gathered, padded length."""
     sizes.values[K] = _meta(node)["ranks"]
     params = sizes.of_sites(_meta(node)["params"])
-    elements = sizes.matching(size_hint(value.numel()), [N * shard(p.count) / K for p in params])
+    elements = sizes.matching(size_hint(value.numel()), [N * p.shard / K for p in params])
     return "secondary shards", elements, width_of(value, B_PARAM, sizes.values)
 
 
@@ -401,7 +409,7 @@ def gradient_terms(backward: fx.GraphModule, params: dict[int, Param], sizes: Si
         if idx not in params or not isinstance(value, fx.Node):
             continue
         param, tensor = params[idx], value.meta["val"]
-        elements = sizes.matching(size_hint(tensor.numel()), [param.count, shard(param.count)])
+        elements = sizes.matching(size_hint(tensor.numel()), [param.count, param.shard])
         produced[value] = elements
         if param.name in held:
             continue

@@ -11,6 +11,8 @@ import torch
 
 from fxshard.errors import FxShardError
 
+from fxshard.runtime.sharding import row_size
+
 from .graph_terms import Param, Sizes, width_of
 from .symbols import B_GRAD, B_MASTER, B_PARAM, B_STATE, N, R, Term, psi, shard
 
@@ -59,14 +61,15 @@ def optimizer_terms(optimizer, params: list[Param], sizes: Sizes,
             if spec is None or not tensor.requires_grad:
                 continue
             count = count_of(spec)
-            elements = shard(count) if tensor.numel() == spec.chunk and spec.chunk != spec.numel else count
+            row = row_size(spec.full_shape)
+            elements = shard(count, row) if tensor.numel() == spec.chunk and spec.chunk != spec.numel else count
             source = f"optimizer: {spec.name}"
             memory.append(Term("memory", "master", elements, width_of(tensor, B_MASTER, sizes.values), source))
             for kind in kinds:
                 memory.append(Term("memory", kind, elements, width_of(tensor, B_STATE, sizes.values), source))
             reads = by_name[spec.name].reads if spec.name in by_name else "local"
             if reads in ("local", "gathered"):  # the graph reads the master: mixed precision adds a compute copy
-                read = count if reads == "local" else shard(count)
+                read = count if reads == "local" else shard(count, row)
                 copies.append(Term("memory", "compute copy", read, B_PARAM, f"graph reads {spec.name}"))
     comm, rows = [], []
     step = sharded_step_of(optimizer)
@@ -75,7 +78,8 @@ def optimizer_terms(optimizer, params: list[Param], sizes: Sizes,
     for kind, role, taken in (("all_gather", B_PARAM, to_publish),
                               ("reduce_scatter", B_GRAD, shards if step.stage == 1 else [])):
         for index, bucket in enumerate(step.buckets(kind, taken)):
-            elements = sympy.Add(*(shard(count_of(spec_of(s))) for s in bucket)) * (1 if kind == "all_gather" else N)
+            elements = sympy.Add(*(shard(count_of(spec_of(s)), row_size(spec_of(s).full_shape)) for s in bucket))
+            elements *= 1 if kind == "all_gather" else N
             dtype_of = torch.empty(0, dtype=step.collective_dtype(kind, bucket[0]))
             width = width_of(dtype_of, role, sizes.values)
             comm.append(Term("comm", kind, elements, width, f"optimizer step: {kind} bucket {index}", calls=1,

@@ -62,7 +62,6 @@ from .symbols import (
     WIDTHS,
     Ledger,
     Term,
-    shard,
     sizes_at,
 )
 
@@ -155,7 +154,7 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
                 read = f"graph {graph_id} reads {param.name}"
                 terms.append(Term("memory", "compute copy", param.count, B_PARAM, read))
             if optimizer is None and param.reads in ("local", "gathered"):
-                read = param.count if param.reads == "local" else shard(param.count)
+                read = param.count if param.reads == "local" else param.shard
                 terms.append(Term("memory", "master", read, B_MASTER, f"graph {graph_id}: {param.name}"))
         produced: dict[fx.Node, sympy.Expr] = {}
         terms += gradient_terms(graphs["backward"], params, sizes, produced, with_gradients)

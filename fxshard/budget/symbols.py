@@ -30,9 +30,10 @@ def psi(name: str) -> sympy.Symbol:
     return sympy.Symbol(f"ψ[{name}]", positive=True, integer=True)
 
 
-def shard(elements: sympy.Expr) -> sympy.Expr:
-    """Elements of one rank's flat padded shard."""
-    return sympy.ceiling(elements / N)
+def shard(elements: sympy.Expr, row: int = 1) -> sympy.Expr:
+    """Elements of one rank's flat padded shard of a parameter of ``elements`` in rows of ``row`` elements (shards
+    are whole rows: ``fxshard/runtime/sharding.py``)."""
+    return row * sympy.ceiling(elements / (row * N))
 
 
 def ring_factor(kind: str, ranks: sympy.Expr = N) -> sympy.Expr:

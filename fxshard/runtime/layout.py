@@ -1,7 +1,7 @@
 """A flat shard as the value a state dict holds: a DTensor of the parameter's full shape holding this rank's rows.
 
-fxshard keeps every parameter as a FLAT shard (``fxshard/runtime/sharding.py``): a flat range of the parameter,
-which is not a rectangular block of it, so DCP cannot describe it. A state dict therefore holds what FSDP2's holds:
+fxshard keeps every parameter as a FLAT, row-aligned shard (``fxshard/runtime/sharding.py``). DCP cannot describe a
+flat range; a state dict therefore holds what FSDP2's holds:
 every tensor that lives sharded (a parameter of stages 2 and 3, a stage-1 fp32 master under mixed precision, a
 per-element optimizer state such as ``exp_avg`` in stages 1-3) becomes a ``DTensor`` of the parameter's FULL shape,
 ``Shard(0)`` on a 1-D ``DeviceMesh`` over the group fxshard communicates on: rank ``r`` holds rows
@@ -9,12 +9,9 @@ per-element optimizer state such as ``exp_avg`` in stages 1-3) becomes a ``DTens
 rows, or none). Tensors that every rank holds in full (stage 0, stage 1's parameters, scalars such as Adam's
 ``step``) stay plain tensors, which DCP treats as replicated and writes once.
 
-Where a parameter's rows split evenly over the ranks, or it has a single dimension, each rank's rows ARE the
-elements of its flat shard: the DTensor's local tensor is a view of the shard (no copy, no communication), and
-``dcp.load`` writes straight into it. Otherwise the rows cross shard boundaries, and that one parameter is gathered
-(one all-gather), its rows copied out and the gathered tensor dropped before the next parameter: building a state
-dict never holds more than one full parameter. Loading does the reverse (rows that cross shard boundaries: that
-parameter's ``full_tensor()``, cut down to this rank's flat shard).
+Shards are row-aligned, so each rank's rows ARE the elements of its flat shard before its padding: the DTensor's
+local tensor is a view of the shard (no copy, no communication: a state dict is local, as FSDP2's is), and
+``dcp.load`` writes straight into it. A 0-d parameter has no rows: every rank gets it whole (one element gathered).
 
 Under tensor parallelism (``fxshard/runtime/tensor_parallel.py``) fxshard shards each tp rank's local tensor, so
 the rows above are rows of that local tensor, and the DTensor has the parameter's global shape over two mesh
@@ -71,12 +68,6 @@ def _rows_of(spec: ShardSpec, rank: int) -> tuple[int, int]:
     return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
 
 
-def rows_are_shard(spec: ShardSpec) -> bool:
-    """Whether every rank's dim-0 rows are exactly the (unpadded) elements of its flat shard: true when the rows split
-    evenly over the ranks, and for every 1-D parameter."""
-    return spec.chunk == -(-spec.full_shape[0] // spec.world_size) * _row_numel(spec)
-
-
 def _as_dtensor(local: torch.Tensor, spec: ShardSpec) -> DTensor:
     """This rank's rows as a DTensor of the parameter's global shape: ``Shard(0)`` over fxshard's group, or under
     tensor parallelism over fxshard's shard dimension and the tp one (``TensorParallel.sharded_placements``)."""
@@ -111,18 +102,14 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 @torch.no_grad()
 def sharded_value(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """What a state dict holds for a flat shard of ``spec``'s parameter (a parameter, a master, an optimizer state
-    of the parameter's layout): a DTensor of the full shape holding this rank's rows. A view of the shard where the
-    rows are the shard; else this parameter is gathered, so every rank must call it. A 0-d parameter has no rows to
-    split: every rank gets it whole (a plain tensor, gathered: one element)."""
+    of the parameter's layout): a DTensor of the full shape whose local tensor is a view of this rank's rows in the
+    shard. A 0-d parameter has no rows to split: every rank gets it whole (a plain tensor, gathered: one element,
+    a collective)."""
     shard = shard.detach()
     if not spec.full_shape:
         return unsharded_value(gather_full(shard, spec), spec)
     start, stop = _rows_of(spec, spec.rank)
-    if rows_are_shard(spec):
-        local = shard[: (stop - start) * _row_numel(spec)].view(stop - start, *spec.full_shape[1:])
-    else:
-        local = gather_full(shard, spec)[start:stop].clone()  # the gathered parameter is dropped on return
-    return _as_dtensor(local, spec)
+    return _as_dtensor(shard[: (stop - start) * _row_numel(spec)].view(stop - start, *spec.full_shape[1:]), spec)
 
 
 def rows_of_full(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -159,10 +146,10 @@ def _in_our_layout(value: DTensor, spec: ShardSpec) -> bool:
 @torch.no_grad()
 def shard_from_value(value, spec: ShardSpec, dtype: torch.dtype, what: str) -> torch.Tensor:
     """This rank's flat, zero-padded shard (a new tensor in ``dtype``) of a state-dict value of ``spec``'s
-    parameter: a full-shape tensor, or a DTensor of any layout (one of another layout, or whose rows cross shard
-    boundaries, is gathered: a collective, every rank calls it). Anything else raises FxShardError."""
+    parameter: a full-shape tensor, or a DTensor of any layout (one of another layout is gathered: a collective,
+    every rank calls it). Anything else raises FxShardError."""
     _check_shape(value, spec, what)
-    if isinstance(value, DTensor) and spec.full_shape and _in_our_layout(value, spec) and rows_are_shard(spec):
+    if isinstance(value, DTensor) and spec.full_shape and _in_our_layout(value, spec):
         local = value.to_local().reshape(-1)
         shard = torch.zeros(spec.chunk, dtype=dtype, device=local.device)
         shard[: local.numel()] = local

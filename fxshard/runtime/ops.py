@@ -32,14 +32,16 @@ import torch
 from fxshard.torch_compat import c10d_functional as _c10d
 
 from .groups import peer_failures_explained, scatters_by_all_to_all
+from .sharding import chunk_size
 
 GRAD_REDUCTIONS = ("reduce_scatter", "all_reduce", "none")
 
 
 def flat_padded(full: torch.Tensor, world_size: int) -> torch.Tensor:
-    """``full`` flattened and zero-padded to a multiple of ``world_size``: the layout a reduce-scatter splits."""
+    """``full`` flattened and zero-padded to ``world_size`` row-aligned chunks (``chunk_size``): the layout a
+    reduce-scatter splits."""
     flat = full.reshape(-1)
-    padding = -flat.numel() % world_size
+    padding = world_size * chunk_size(full.shape, world_size) - flat.numel()
     return torch.nn.functional.pad(flat, (0, padding)) if padding else flat.contiguous()
 
 
@@ -126,7 +128,7 @@ def _(full_grad, world_size, group_name, fqn, grad_reduction, reduce_dtype=None,
     dtype = grad_dtype or reduce_dtype or full_grad.dtype
     if grad_reduction != "reduce_scatter":
         return torch.empty_like(full_grad, dtype=dtype, memory_format=torch.contiguous_format)
-    return full_grad.new_empty(-(-full_grad.numel() // world_size), dtype=dtype)
+    return full_grad.new_empty(chunk_size(full_grad.shape, world_size), dtype=dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output):

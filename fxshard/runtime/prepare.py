@@ -155,11 +155,11 @@ def _saved_value(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 
 
 _STATE_DICT_IS_COLLECTIVE = (
-    "model.state_dict(), which gathers every parameter whose rows cross its ranks' shards (stages 2, 3) and so runs "
-    "on every rank. A rank-0-only save (`if rank == 0: torch.save(model.state_dict(), path)`) waits for ranks "
-    "that never come: call get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
-    "cpu_offload=True)) on every rank and torch.save its result on rank 0, or fxshard.checkpoint.save on every rank "
-    "(docs/training-scripts.md#saving-the-model)")
+    "model.state_dict(), which gathers every 0-d parameter (it has no rows to split over the ranks; stages 2, 3) and "
+    "so runs on every rank. A rank-0-only save (`if rank == 0: torch.save(model.state_dict(), path)`) waits for "
+    "ranks that never come, and would hold rank 0's rows only: call get_model_state_dict(model, "
+    "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on every rank and torch.save its result on "
+    "rank 0, or fxshard.checkpoint.save on every rank (docs/training-scripts.md#saving-the-model)")
 
 
 def _state_dict_values(module, state_dict, prefix, local_metadata):

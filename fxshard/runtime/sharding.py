@@ -1,16 +1,18 @@
 """How one parameter is split over the ranks of a process group.
 
-fxshard shards every parameter FLAT: the parameter is flattened, zero-padded at the end to a multiple of the
-world size, and rank r keeps elements ``[r * chunk, (r + 1) * chunk)``. Why flat rather than FSDP2's dim-0
-``Shard(0)``:
+fxshard shards every parameter FLAT and ROW-ALIGNED: the parameter is flattened and zero-padded at the end to
+``world_size * chunk`` elements, where ``chunk`` is ``ceil(rows / world_size)`` whole rows (dim 0; a 0-d parameter
+is one row of one element), and rank r keeps elements ``[r * chunk, (r + 1) * chunk)``. So:
 
 - every parameter of a unit concatenates into one flat buffer with no per-shape bookkeeping, so a unit's (or a
   bucket's) all-gather and reduce-scatter are a single collective on a contiguous buffer;
-- padding is a tail of the last rank(s) only, of at most ``world_size - 1`` elements, whatever the shape (a
-  ``(3, 5)`` weight on 2 ranks pads 1 element, where dim-0 padding would pad a whole row of 5);
-- scalars and 1-element parameters shard like everything else.
+- the elements a rank holds before its padding are exactly its rows under FSDP2's ``Shard(0)`` (``torch.chunk``'s
+  split): a state dict's DTensor is a view of the shard, built without communication
+  (``fxshard/runtime/layout.py``);
+- padding is whole rows at the end, at most ``world_size - 1`` of them (a ``(3, 5)`` weight on 2 ranks pads one row
+  of 5), as FSDP2 pads.
 
-The cost: the shard is not a rectangular slice of the weight, so optimizers that look at a parameter's shape
+The cost: a flat shard's update runs on elements, not on a matrix, so optimizers that look at a parameter's shape
 (Adafactor's factored moments, Muon's orthogonalisation) cannot run on it; ``prepare`` refuses them.
 """
 
@@ -83,7 +85,7 @@ class ShardSpec:
 
     @property
     def chunk(self) -> int:
-        return chunk_size(self.numel, self.world_size)
+        return chunk_size(self.full_shape, self.world_size)
 
     @property
     def padding(self) -> int:
@@ -94,9 +96,16 @@ class ShardSpec:
         return (self.chunk,)
 
 
-def chunk_size(numel: int, world_size: int) -> int:
-    """Elements each rank keeps of a parameter with ``numel`` elements (the last ranks hold the padding)."""
-    return -(-numel // world_size)
+def row_size(shape) -> int:
+    """Elements of one dim-0 row of a tensor of ``shape`` (a 0-d tensor: one row of one element)."""
+    return math.prod(shape[1:])
+
+
+def chunk_size(shape, world_size: int) -> int:
+    """Elements each rank keeps of a parameter of ``shape``: ``ceil(rows / world_size)`` whole rows (the last ranks
+    hold the padding)."""
+    rows = shape[0] if len(shape) else 1
+    return -(-rows // world_size) * row_size(shape)
 
 
 def shard_of(full: torch.Tensor, spec: ShardSpec, out: torch.Tensor | None = None) -> torch.Tensor:
