@@ -197,8 +197,9 @@ def test_a_stage_3_save_gathers_nothing_even_where_rows_split_unevenly(pools, tm
         # Every weight's 255 rows split 128 / 127 over 2 ranks: shards hold whole rows, so each state-dict value
         # (the weight and its two AdamW states) is a view of this rank's shard, gathered nowhere
         assert result["gathered"] == result["most_gathered_at_once"] == 0, result
-        # what DCP allocates beside them (plans, metadata: docs/checkpointing.md) is not a copy of the shards
-        assert result["peak"] < result["local"], result
+        # DCP copies a view whose storage holds more than it (rank 1's rows, before its padding row) to write it:
+        # at most this rank's shards (docs/checkpointing.md has the figures), never a whole parameter beyond them
+        assert result["peak"] < result["local"] + result["largest_parameter"], result
 
 
 TRAIN_GPT_FLAGS = ["--eager", "--steps", "4", "--checkpoint-every", "1"]
