@@ -36,14 +36,14 @@ from torch.fx.experimental import symbolic_shapes
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
-    "after_grad_scaler_inf_check", "aot_module_simplified", "c10d_functional", "concatenate_meshes", "ConstantSource", "dcp_flat_keys",
-    "default_store", "detect_fake_mode", "fake_store", "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS",
-    "gloo_threads", "gloo_with_options", "inductor_backward", "inductor_compiler_config", "inductor_decompositions",
-    "inductor_forward", "inductor_partition", "inductor_virtualized", "is_backend_registered", "LocalSource", "make_boxed_func",
-    "min_cut_rematerialization_partition", "model_outputs", "OpOverload", "profiled_ops", "ProfiledOp",
-    "register_log", "resolve_group", "SavedForBackwardsAOTOutput", "ShortenTraceback", "strided_shard",
-    "TensorProperty", "TensorPropertySource", "total_norm_from", "trace_log", "trace_structured", "traced_size", "tree_flatten",
-    "tree_map",
+    "after_grad_scaler_inf_check", "aot_module_simplified", "c10d_functional", "concatenate_meshes", "ConstantSource",
+    "dcp_flat_keys", "default_store", "detect_fake_mode", "fake_store", "flatten_optimizer_state_dict",
+    "FLOPS_COUNTED_AS", "gloo_threads", "gloo_with_options", "inductor_backward", "inductor_compiler_config",
+    "inductor_decompositions", "inductor_forward", "inductor_partition", "inductor_virtualized",
+    "is_backend_registered", "LocalSource", "make_boxed_func", "min_cut_rematerialization_partition", "model_outputs",
+    "OpOverload", "profiled_ops", "ProfiledOp", "register_log", "resolve_group", "SavedForBackwardsAOTOutput",
+    "ShortenTraceback", "strided_shard", "TensorProperty", "TensorPropertySource", "total_norm_from", "trace_log",
+    "trace_structured", "traced_size", "tree_flatten", "tree_map",
 ]
 
 # The functional collectives' op namespace: what fxshard's graphs hold (all_gather_into_tensor, reduce_scatter_tensor,

@@ -1,12 +1,12 @@
 """One record per parameter ``prepare`` laid out (FSDP2's ``FSDPParam``): its layout and the tensors fxshard keeps
 for it, found from any of them by ``prepared_param``.
 
-| | stage 0 | stage 1 | stage 2 | stage 3 |
-|---|---|---|---|---|
-| ``leaf``: what the model holds, autograd fills and ``model.parameters()`` yields | the parameter | the parameter | its flat shard | its flat shard |
-| ``updated``: what the optimizer's update writes | the leaf | ``master``, a flat shard | the leaf | the leaf |
-| ``full_copy``: what forward reads of ``updated``, refreshed after each step | - | the leaf | ``resident``, a buffer | - |
-| ``grad_sync``: whether backward averages gradients now (``no_sync``) | the model's | - | - | - |
+- ``leaf``: what the model holds, autograd fills and ``model.parameters()`` yields: the parameter (stages 0, 1),
+  its flat shard (stages 2, 3);
+- ``updated``: what the optimizer's update writes: stage 1's ``master`` (a flat shard), else the leaf;
+- ``full_copy``: what forward reads of ``updated``, refreshed after each step: stage 1's leaf, stage 2's
+  ``resident`` buffer, else none;
+- ``grad_sync``: stage 0's, whether backward averages gradients now (``no_sync``).
 
 A parameter that ``prepare`` replaced (by its shard; under tensor parallelism, by the leaf of its DTensor's local
 piece) finds the record too: ``replaced_by`` names its leaf.
