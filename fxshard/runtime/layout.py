@@ -22,8 +22,6 @@ Both the module state dicts (``prepare``'s hooks) and the optimizer's (``optimiz
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -32,7 +30,7 @@ from fxshard.errors import FxShardError
 from fxshard.torch_compat import resolve_group
 
 from .ops import unshard
-from .sharding import ShardSpec, shard_of
+from .sharding import ShardSpec, row_size, shard_of
 from .tensor_parallel import as_tensor_parallel, global_value, local_value
 
 
@@ -55,10 +53,6 @@ def mesh_of(spec: ShardSpec, device_type: str) -> DeviceMesh:
         cached = (group, DeviceMesh.from_group(group, device_type))
         _MESHES[(spec.group_name, device_type)] = cached
     return cached[1]
-
-
-def _row_numel(spec: ShardSpec) -> int:
-    return math.prod(spec.full_shape[1:])
 
 
 def _rows_of(spec: ShardSpec, rank: int) -> tuple[int, int]:
@@ -109,7 +103,7 @@ def sharded_value(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     if not spec.full_shape:
         return unsharded_value(gather_full(shard, spec), spec)
     start, stop = _rows_of(spec, spec.rank)
-    return _as_dtensor(shard[: (stop - start) * _row_numel(spec)].view(stop - start, *spec.full_shape[1:]), spec)
+    return _as_dtensor(shard[: (stop - start) * row_size(spec.full_shape)].view(stop - start, *spec.full_shape[1:]), spec)
 
 
 def rows_of_full(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
