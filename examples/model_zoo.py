@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -87,13 +88,6 @@ def zoo_batch(name: str, size: int, generator: torch.Generator) -> dict:
     return {"input_ids": torch.randint(0, VOCAB, (size, SEQ), generator=generator), "labels": labels}
 
 
-def _full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole, as one process holds it (a collective for a prepared model's DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-
-
 def _train(run, optimizer, name: str, steps: int, per_rank: int) -> tuple[list[float], list[float]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(1)
@@ -135,7 +129,8 @@ def compare(args: argparse.Namespace) -> None:
             prepared, opt = backend.prepare(prepared, torch.optim.AdamW(prepared.parameters(), lr=1e-3))
             run = torch.compile(prepared, backend=backend, fullgraph=True)
             losses, seconds = _train(run, opt, name, args.steps, args.per_rank)
-            got = _full_parameters(prepared)
+            # the right form of a DDP script's `model.state_dict()` (docs/training-scripts.md#saving-the-model)
+            got = get_model_state_dict(prepared, options=StateDictOptions(full_state_dict=True))
             worst = max((got[k] - v).abs().max().item() for k, v in expected.items())
             say(f"{name:8} {stage:5d} {losses[-1]:9.4f} {worst:20.2e} {seconds[0]:13.1f} "
                 f"{1000 * statistics.median(seconds[1:]):8.1f}", flush=True)

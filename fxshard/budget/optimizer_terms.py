@@ -10,7 +10,6 @@ import sympy
 import torch
 
 from fxshard.errors import FxShardError
-
 from fxshard.runtime.sharding import row_size
 
 from .graph_terms import Param, Sizes, width_of
@@ -53,6 +52,9 @@ def optimizer_terms(optimizer, params: list[Param], sizes: Sizes,
         sizes.values.setdefault(count, spec.numel)
         return count
 
+    def shard_of(spec) -> sympy.Expr:
+        return shard(count_of(spec), row_size(spec.full_shape))
+
     memory, copies = [], []
     for group in optimizer.param_groups:
         kinds = optimizer_state_kinds(type(optimizer).__name__, group)
@@ -61,15 +63,14 @@ def optimizer_terms(optimizer, params: list[Param], sizes: Sizes,
             if spec is None or not tensor.requires_grad:
                 continue
             count = count_of(spec)
-            row = row_size(spec.full_shape)
-            elements = shard(count, row) if tensor.numel() == spec.chunk and spec.chunk != spec.numel else count
+            elements = shard_of(spec) if tensor.numel() == spec.chunk and spec.chunk != spec.numel else count
             source = f"optimizer: {spec.name}"
             memory.append(Term("memory", "master", elements, width_of(tensor, B_MASTER, sizes.values), source))
             for kind in kinds:
                 memory.append(Term("memory", kind, elements, width_of(tensor, B_STATE, sizes.values), source))
             reads = by_name[spec.name].reads if spec.name in by_name else "local"
             if reads in ("local", "gathered"):  # the graph reads the master: mixed precision adds a compute copy
-                read = count if reads == "local" else shard(count, row)
+                read = count if reads == "local" else shard_of(spec)
                 copies.append(Term("memory", "compute copy", read, B_PARAM, f"graph reads {spec.name}"))
     comm, rows = [], []
     step = sharded_step_of(optimizer)
@@ -78,8 +79,7 @@ def optimizer_terms(optimizer, params: list[Param], sizes: Sizes,
     for kind, role, taken in (("all_gather", B_PARAM, to_publish),
                               ("reduce_scatter", B_GRAD, shards if step.stage == 1 else [])):
         for index, bucket in enumerate(step.buckets(kind, taken)):
-            elements = sympy.Add(*(shard(count_of(spec_of(s)), row_size(spec_of(s).full_shape)) for s in bucket))
-            elements *= 1 if kind == "all_gather" else N
+            elements = sympy.Add(*(shard_of(spec_of(s)) for s in bucket)) * (1 if kind == "all_gather" else N)
             dtype_of = torch.empty(0, dtype=step.collective_dtype(kind, bucket[0]))
             width = width_of(dtype_of, role, sizes.values)
             comm.append(Term("comm", kind, elements, width, f"optimizer step: {kind} bucket {index}", calls=1,
