@@ -260,12 +260,15 @@ def state_dict_round_trip() -> dict:
     replacement = {k: torch.full_like(v, float(i)) for i, (k, v) in enumerate(original.items())}
     model.load_state_dict(replacement)
     return {"original": original, "gathered": gathered, "reloaded": full_state(model), "replacement": replacement,
-            "shards": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            "shards": {n: p.detach().to_local().clone() for n, p in model.named_parameters()}}
 
 
 def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (gradients of one unit may share one buffer)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    from fxshard.runtime.tensor_parallel import local_tensor  # a DTensor's storage: its local tensor's
+
+    locals_ = [local_tensor(t) for t in tensors if t is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in locals_}
     return sum(storages.values())
 
 
@@ -865,3 +868,51 @@ def train_with_grad_scaler(stage: int, scaler_class: str, steps: int = 3) -> dic
         reference_scales.append(_scaled_sgd_step(reference_scaler, reference_opt, reference, x1, x2))
     return {"scales": scales, "reference_scales": reference_scales, "final": full_state(model),
             "expected": reference.state_dict()}
+
+
+def decay_groups_by_ndim(stage: int, steps: int = 3) -> dict:
+    """The nanoGPT / HuggingFace weight-decay rule (a parameter of 2 or more dimensions decays, the rest not) applied
+    to what prepare left: at stages 0 and 3 the optimizer is built after prepare, as an FSDP2 script builds it after
+    ``fully_shard``; at stages 1 and 2, whose communication runs in the prepared optimizer's step, before prepare and
+    passed to it. Trained beside a single process with the same rule; also returns, after the first backward,
+    whether every gradient has its parameter's shape and each parameter's gradient norm (what a script logs)."""
+    from torch.distributed.tensor import DTensor
+
+    rank, world = rank_and_world()
+    model = build_model("gpt")
+    reference = copy.deepcopy(model)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+
+    def grouped(module: torch.nn.Module) -> torch.optim.Optimizer:
+        named = list(module.named_parameters())
+        return torch.optim.SGD([{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.5},
+                                {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}],
+                               lr=LR["sgd"], momentum=0.9)
+
+    backend = fxshard.backend(stage=stage, compiler="eager")
+    if stage in (0, 3):
+        model, _ = backend.prepare(model)
+        opt = grouped(model)
+    else:
+        model, opt = backend.prepare(model, grouped(model))
+    decayed = sorted(n for n, p in model.named_parameters() if any(p is q for q in opt.param_groups[0]["params"]))
+    reference_opt = grouped(reference)
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        batch = global_batch("gpt", world * PER_RANK_BATCH, generator)
+        local = tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
+        loss_of("gpt", run, local).backward()
+        loss_of("gpt", reference, batch).backward()
+        if step == 0:
+            grads_shaped = all(p.grad.shape == p.shape and p.grad.ndim == p.ndim for p in model.parameters())
+            # as an FSDP2 script logs it: a DTensor norm (stages 2, 3) is this rank's part until full_tensor()
+            grad_norms = {n: (norm.full_tensor() if isinstance(norm := p.grad.norm(), DTensor) else norm).item()
+                          for n, p in model.named_parameters()}
+            reference_grad_norms = {n: p.grad.norm().item() for n, p in reference.named_parameters()}
+        for optimizer in (opt, reference_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"initial": initial, "final": full_state(model), "expected": reference.state_dict(), "decayed": decayed,
+            "expected_decayed": sorted(n for n, p in reference.named_parameters() if p.ndim >= 2),
+            "grads_shaped": grads_shaped, "grad_norms": grad_norms, "reference_grad_norms": reference_grad_norms}

@@ -6,25 +6,33 @@ from torch import nn
 import fxshard
 import scenarios
 from examples.models import GPT, MLP
-from fxshard.runtime.param import spec_of
+from torch.distributed.tensor import DTensor, Shard
+
+from fxshard.runtime.param import prepared_param, spec_of
 from fxshard.report import collectives
 from fxshard.testing import fake_process_group
 
 
-def test_parameters_become_padded_flat_shards_of_whole_rows_under_their_own_names():
+def test_parameters_keep_their_names_and_shapes_and_hold_this_ranks_rows_of_a_padded_flat_shard():
     with fake_process_group(3, rank=2):
         model = MLP(d_in=7, d_hidden=11, d_out=5)
-        original = model.fc1.weight.detach().clone()
-        names = [n for n, _ in model.named_parameters()]
+        original = {n: p.detach().clone() for n, p in model.named_parameters()}
         model, _ = fxshard.backend(compiler="eager", stage=3).prepare(model)
         params = dict(model.named_parameters())
-    assert list(params) == names
-    # 11 rows of 7 over 3 ranks: 4 rows (28 elements) per rank; the last rank holds rows 8-10 and one row of padding
-    assert params["fc1.weight"].shape == (28,)
-    spec = spec_of(params["fc1.weight"])
-    assert (spec.full_shape, spec.chunk, spec.padding, spec.rank) == ((11, 7), 28, 7, 2)
-    assert torch.equal(params["fc1.weight"][:21].view(3, 7), original[8:])  # its rows, as Shard(0) splits them
-    assert params["fc1.weight"][21:].eq(0).all()  # padding is zero, so it adds nothing to norms or updates
+        assert list(params) == list(original)
+        # what a script reads of a parameter is the model's (the weight-decay rule `p.ndim < 2` groups rightly)
+        assert {n: (p.shape, p.ndim, p.numel()) for n, p in params.items()} == {
+            n: (v.shape, v.ndim, v.numel()) for n, v in original.items()}
+        weight = params["fc1.weight"]
+        assert isinstance(weight, DTensor) and weight.placements == (Shard(0),)
+        # 11 rows of 7 over 3 ranks: 4 rows (28 elements) per rank; the last rank holds rows 8-10 and one row of
+        # padding, in the flat shard its rows are a view of
+        spec = spec_of(weight)
+        assert (spec.full_shape, spec.chunk, spec.padding, spec.rank) == ((11, 7), 28, 7, 2)
+        assert torch.equal(weight.to_local(), original["fc1.weight"][8:])  # its rows, as Shard(0) splits them
+        flat = prepared_param(weight).flat
+        assert flat.shape == (28,) and weight.to_local().data_ptr() == flat.data_ptr()
+        assert flat[21:].eq(0).all()  # padding is zero, so it adds nothing to norms or updates
 
 
 def test_state_dict_is_full_and_unpadded_and_loads_full_tensors(pools):
@@ -32,10 +40,8 @@ def test_state_dict_is_full_and_unpadded_and_loads_full_tensors(pools):
         for name, value in result["original"].items():
             assert torch.equal(result["gathered"][name], value), name
             assert torch.equal(result["reloaded"][name], result["replacement"][name]), name
-        shard = result["shards"]["fc2.bias"]  # 5 elements over 3 ranks: 2, 2, 1 + 1 padding
-        assert shard.shape == (2,)
-        expected = result["replacement"]["fc2.bias"].flatten()[2 * rank : 2 * rank + 2]
-        assert torch.equal(shard[: expected.numel()], expected)
+        rows = result["shards"]["fc2.bias"]  # 5 elements over 3 ranks: 2, 2, 1 (+ 1 of padding in the flat shard)
+        assert torch.equal(rows, result["replacement"]["fc2.bias"][2 * rank : 2 * rank + 2])
 
 
 def test_tied_parameter_is_one_shard():
@@ -60,7 +66,7 @@ def test_frozen_parameters_are_sharded_and_get_no_reduce_scatter():
         model.fc1.requires_grad_(False)
         backend = fxshard.backend(compiler="eager", stage=3)
         model, _ = backend.prepare(model)
-        assert model.fc1._parameters["weight"].shape == (64,)
+        assert model.fc1._parameters["weight"].to_local().shape == (8, 8)  # 16 rows over 2 ranks
         assert not model.fc1._parameters["weight"].requires_grad
         torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 8)).sum().backward()
         assert model.fc1._parameters["weight"].grad is None
@@ -93,7 +99,7 @@ def test_existing_optimizer_state_is_sharded_not_lost():
         momentum = opt.state[model.fc2.weight]["momentum_buffer"].clone()
         model, sharded = fxshard.backend(compiler="eager", stage=3).prepare(model, opt)
         shard_state = sharded.state[model.fc2._parameters["weight"]]["momentum_buffer"]
-    # rank 1 of 2 holds rows 3 and 4 of the (5, 16) weight, then one row of padding
+    # rank 1 of 2 holds rows 3 and 4 of the (5, 16) weight, then one row of padding: the flat shard the update runs on
     assert torch.equal(shard_state[:32], momentum[3:].flatten()) and shard_state[32:].eq(0).all()
 
 

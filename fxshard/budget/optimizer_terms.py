@@ -63,7 +63,7 @@ def optimizer_terms(optimizer, params: list[Param], sizes: Sizes,
             if spec is None or not tensor.requires_grad:
                 continue
             count = count_of(spec)
-            elements = shard_of(spec) if tensor.numel() == spec.chunk and spec.chunk != spec.numel else count
+            elements = shard_of(spec) if spec.stage >= 1 and spec.chunk != spec.numel else count  # a shard's rows
             source = f"optimizer: {spec.name}"
             memory.append(Term("memory", "master", elements, width_of(tensor, B_MASTER, sizes.values), source))
             for kind in kinds:

@@ -28,7 +28,7 @@ from fxshard.runtime.optim import (
     mark_published,
     shard_optimizer_over,
 )
-from fxshard.runtime.param import spec_of
+from fxshard.runtime.param import prepared_param, spec_of
 from fxshard.runtime.prepare import (
     grad_sync_of,
     shard_parameters,
@@ -170,7 +170,8 @@ class Backend:
         self.optimizer = (None if optimizer is None
                           else shard_optimizer_over(optimizer, leaves, grad_sync, step_bucket_bytes))
         updated = [] if self.optimizer is None else updating_optimizer(self.optimizer).param_groups
-        laid_out = [*leaves.values(), *(t for g in updated for t in g["params"])]
+        flats = (prepared_param(leaf).flat for leaf in leaves.values())  # what the compiled graphs read
+        laid_out = [*leaves.values(), *(f for f in flats if f is not None), *(t for g in updated for t in g["params"])]
         for tensor in laid_out:
             PREPARED_BY[tensor] = weakref.ref(self)
         model.__dict__[_BACKEND] = _KeepAlive(self)

@@ -35,10 +35,10 @@ from .tensor_parallel import as_tensor_parallel, global_value, local_value
 
 
 def gather_full(shard: torch.Tensor, spec: ShardSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The full-shape value of a flat shard (a collective: every rank of the group must call it), in ``dtype``
-    (cast before the gather, so it moves ``dtype`` bytes) or the shard's own."""
-    return unshard(shard.detach(), None, list(spec.full_shape), spec.world_size, spec.group_name, spec.name,
-                   "reduce_scatter", dtype)
+    """The full-shape value of a shard (flat, or the DTensor of this rank's rows; a collective: every rank of the
+    group must call it), in ``dtype`` (cast before the gather, so it moves ``dtype`` bytes) or the shard's own."""
+    return unshard(flat_shard(shard, spec).detach(), None, list(spec.full_shape), spec.world_size, spec.group_name,
+                   spec.name, "reduce_scatter", dtype)
 
 
 _MESHES: dict[tuple[str, str], tuple[object, DeviceMesh]] = {}  # (group name, device type) -> (group, its mesh)
@@ -53,13 +53,6 @@ def mesh_of(spec: ShardSpec, device_type: str) -> DeviceMesh:
         cached = (group, DeviceMesh.from_group(group, device_type))
         _MESHES[(spec.group_name, device_type)] = cached
     return cached[1]
-
-
-def _rows_of(spec: ShardSpec, rank: int) -> tuple[int, int]:
-    """The dim-0 rows ``[start, stop)`` rank ``rank`` holds under ``Shard(0)`` (torch.chunk's split)."""
-    rows = spec.full_shape[0]
-    per_rank = -(-rows // spec.world_size)
-    return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
 
 
 def _as_dtensor(local: torch.Tensor, spec: ShardSpec) -> DTensor:
@@ -93,6 +86,29 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def rows_view(flat: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's rows of the parameter, a view of the flat shard's elements before its padding."""
+    start, stop = spec.rows
+    return flat[: (stop - start) * row_size(spec.full_shape)].view(stop - start, *spec.full_shape[1:])
+
+
+def as_leaf_value(flat: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """What a stage-2/3 leaf holds of the flat shard ``flat``: the DTensor of the parameter's shape whose local
+    tensor is a view of this rank's rows in it (so an update of the leaf writes into ``flat``); a 0-d parameter has
+    no rows to split and keeps the flat one-element shard itself."""
+    return _as_dtensor(rows_view(flat, spec), spec) if spec.full_shape else flat
+
+
+def flat_shard(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The flat, zero-padded shard (``spec.chunk`` elements) of a per-element tensor of ``spec``'s layout held as a
+    leaf holds it (the DTensor of this rank's rows, ``as_leaf_value``); a flat one is itself."""
+    if not isinstance(value, DTensor):
+        return value
+    rows = value.to_local().reshape(-1)
+    padding = spec.chunk - rows.numel()
+    return torch.nn.functional.pad(rows, (0, padding)) if padding else rows
+
+
 @torch.no_grad()
 def sharded_value(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """What a state dict holds for a flat shard of ``spec``'s parameter (a parameter, a master, an optimizer state
@@ -102,8 +118,7 @@ def sharded_value(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     shard = shard.detach()
     if not spec.full_shape:
         return unsharded_value(gather_full(shard, spec), spec)
-    start, stop = _rows_of(spec, spec.rank)
-    return _as_dtensor(shard[: (stop - start) * row_size(spec.full_shape)].view(stop - start, *spec.full_shape[1:]), spec)
+    return as_leaf_value(shard, spec)
 
 
 def rows_of_full(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -111,7 +126,7 @@ def rows_of_full(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     DTensor whose local tensor is a view of this rank's rows. No communication."""
     if not spec.full_shape:
         return unsharded_value(full, spec)
-    start, stop = _rows_of(spec, spec.rank)
+    start, stop = spec.rows
     return _as_dtensor(full.detach()[start:stop], spec)
 
 

@@ -3,9 +3,9 @@
 | stage | the optimizer updates | its step also |
 |---|---|---|
 | 0 | full parameters | all-reduces gradients that ``no_sync`` kept local (before the update) |
-| 1 | flat master shards of the full parameters (its groups hold the parameters; see ``MasterStep``) | reduce-scatters the full gradients into the masters (before), all-gathers the updated masters into the parameters (after) |
-| 2 | the flat shard leaves | all-gathers the updated shards into the resident full copies (after) |
-| 3 | the flat shard leaves | nothing: gradients arrive reduced, forward gathers |
+| 1 | flat master shards of the full parameters (its groups hold the parameters; see ``ShardStep``) | reduce-scatters the full gradients into the masters (before), all-gathers the updated masters into the parameters (after) |
+| 2 | the flat shards under the leaves (its groups hold the leaves, DTensors of the parameters' shapes) | all-gathers the updated flat shards into the resident full copies (after) |
+| 3 | the flat shards under the leaves, as at stage 2 | nothing: gradients arrive reduced, forward gathers |
 
 Only elementwise optimizers run on flat shards exactly; the others are refused. A step of any other optimizer over
 parameters whose communication lives in these steps raises FxShardError instead of training silently wrong.
@@ -19,6 +19,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -29,10 +30,10 @@ from fxshard.torch_compat import c10d_functional as _c10d
 
 from . import optimizer_state_dict
 from .groups import peer_failures_explained
-from .layout import full_from_value, gather_full, global_of
+from .layout import flat_shard, full_from_value, gather_full, global_of
 from .ops import cast_to, flat_padded, reduce_scatter_mean
 from .param import GradSync, prepared_leaves, prepared_param, replaced_by, spec_of
-from .prepare import MASTER_STEP, replace_updated_state, updating_optimizer
+from .prepare import SHARD_STEP, replace_updated_state, updating_optimizer
 from .sharding import ShardSpec, pack_greedily, shard_of, unpad
 
 _SHARDED_STEP = "_fxshard_sharded_step"  # attribute of the optimizers prepare returns: their ShardedStep
@@ -89,7 +90,7 @@ def shard_optimizer_over(
     optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter], grad_sync: GradSync, bucket_bytes: int
 ) -> torch.optim.Optimizer:
     """``optimizer`` itself, now over what this rank updates (shard leaves; full parameters for stage 0; for stage 1
-    the model's full parameters, stepping an inner optimizer over their master shards: :class:`MasterStep`), its
+    the model's full parameters, stepping an inner optimizer over their master shards: :class:`ShardStep`), its
     existing state laid out the same way, with the stage's ``ShardedStep`` (collectives packed in buckets of up to
     ``bucket_bytes``) hooked around the update."""
     _check_optimizer(optimizer, leaves)
@@ -100,7 +101,7 @@ def shard_optimizer_over(
         target = updated[id(param)]
         spec = spec_of(target)
         state[target] = {key: _held_state_laid_out(value, spec) for key, value in param_state.items()}
-    if stage == 1:
+    if stage >= 1:
         updating = _same_kind(optimizer, updated)
         updating.state.update(state)
         _regroup_in_place(optimizer, leaves, {})
@@ -108,7 +109,7 @@ def shard_optimizer_over(
         updating = optimizer
         _regroup_in_place(optimizer, updated, state)
     step = ShardedStep(stage, list(leaves.values()), grad_sync, bucket_bytes)
-    grad_sync.settle = step.settle_gradients
+    grad_sync.settle = step.average_full_gradients if stage == 1 else step.settle_gradients
     setattr(updating, _SHARDED_STEP, step)
     updating.register_step_pre_hook(step.settle_gradients)
     updating.register_step_post_hook(step.publish_parameters)
@@ -118,8 +119,8 @@ def shard_optimizer_over(
     optimizer.register_state_dict_pre_hook(optimizer_state_dict.optimizer_state_dict_pre_hook)
     optimizer.register_state_dict_post_hook(optimizer_state_dict.optimizer_state_dict_post_hook)
     optimizer.register_load_state_dict_pre_hook(optimizer_state_dict.optimizer_load_state_dict_pre_hook)
-    if stage == 1:
-        MasterStep(optimizer, updating)
+    if stage >= 1:
+        ShardStep(optimizer, updating)
     return optimizer
 
 
@@ -143,37 +144,62 @@ def _refuse_new_param_group(stage: int, param_group: dict) -> None:
     )
 
 
-class MasterStep:
-    """Stage 1's optimizer: the model's full parameters in its groups, as torch's optimizers, LR schedulers and
+class ShardStep:
+    """The optimizer of stages 1-3: its groups hold what the model holds (stage 1: the full parameters; stages 2, 3:
+    the leaves, DTensors of the parameters' shapes), as torch's optimizers, LR schedulers, weight-decay rules and
     checkpoint functions expect (``get_state_dict`` names each state through ``model.named_parameters()``), while
-    the update runs on the fp32 master shards.
+    the update runs on plain flat shards (stage 1: the fp32 masters; stages 2, 3: the flat shards under the
+    leaves), one elementwise kernel per group as on one process, not a DTensor dispatch per tensor.
 
-    The returned optimizer (``outer``) holds the parameters; an ``inner`` optimizer of the same class holds their
-    masters, with the ``ShardedStep`` around its update (reduce-scatter the gradients into the masters, update,
-    all-gather into the parameters). ``outer.step()`` runs ``inner.step()`` as its step pre-hook, with the outer
-    groups' hyperparameters (a scheduler sets those); the outer update then finds no gradient (the reduce-scatter
-    freed them) and changes nothing. Each parameter's state (``exp_avg``: a flat shard) is one dict in both
-    ``outer.state`` and ``inner.state``. A state dict loaded into ``outer`` is laid out by the checkpoint's pre-hook
-    in the masters' dtype and kept so (torch's load would cast it to the parameters' dtype)."""
+    The returned optimizer (``outer``) holds the model's tensors; an ``inner`` optimizer of the same class holds the
+    flat shards, with the ``ShardedStep`` around its update (stage 1: reduce-scatter the gradients into the masters;
+    stages 1, 2: gather the update into what forward reads). ``outer.step()`` runs ``inner.step()`` as its step
+    pre-hook, with the outer groups' hyperparameters (a scheduler sets those), after handing each leaf's gradient
+    to its flat shard (stages 2, 3: the rows, padded; a view where they are the flat gradient already); the outer
+    update then finds no gradient it may use and changes nothing. Each parameter's state (``exp_avg``: a flat shard)
+    is one dict in both ``outer.state`` and ``inner.state``. A state dict loaded into ``outer`` is laid out by the
+    checkpoint's pre-hook in the flat shards' dtype and kept so (torch's load would cast it to the parameters'
+    dtype)."""
 
     def __init__(self, outer: torch.optim.Optimizer, inner: torch.optim.Optimizer):
         self.outer, self.inner = outer, inner
         self.pairs = [(p, m) for og, ig in zip(outer.param_groups, inner.param_groups)
                       for p, m in zip(og["params"], ig["params"])]
         self._loading: dict = {}
-        setattr(outer, MASTER_STEP, self)
-        outer.register_step_pre_hook(self.step_masters)
+        self._held_aside: list[tuple[torch.Tensor, torch.Tensor]] = []  # (leaf, its gradient) during the outer update
+        setattr(outer, SHARD_STEP, self)
+        outer.register_step_pre_hook(self.step_shards)
+        outer.register_step_post_hook(self.give_back_gradients)
         outer.register_load_state_dict_pre_hook(self._keep_laid_out)  # after the checkpoint's: it lays out
-        outer.register_load_state_dict_post_hook(self._load_into_masters)
+        outer.register_load_state_dict_post_hook(self._load_into_shards)
         self.share_state()
 
-    def step_masters(self, optimizer=None, args=(), kwargs=None) -> None:
+    def step_shards(self, optimizer=None, args=(), kwargs=None) -> None:
         if args[1:] or (kwargs or {}).get("closure") is not None:  # args: (optimizer, closure?)
-            raise FxShardError("a stage-1 optimizer.step() takes no closure (its step reduce-scatters the gradients "
-                               "before the update); run forward and backward, then call opt.step()")
+            raise FxShardError("a prepared optimizer.step() takes no closure (its update runs on the flat shards, "
+                               "with the stage's communication around it); run forward and backward, then call "
+                               "opt.step()")
         self.copy_hyperparameters()
+        self.hand_gradients_to_shards()
         self.inner.step()
         self.after_update()
+
+    @torch.compiler.disable
+    def hand_gradients_to_shards(self) -> None:
+        """Stages 2, 3: each leaf's gradient (its rows) becomes its flat shard's; the leaf's is held aside while the
+        outer update runs (it must find none to apply again) and given back after it (``give_back_gradients``), so
+        a script reads and zeroes it as under DDP."""
+        for leaf, flat in self.pairs:
+            if isinstance(leaf.grad, DTensor):
+                flat.grad = flat_gradient(leaf.grad, spec_of(flat))
+                self._held_aside.append((leaf, leaf.grad))
+                leaf.grad = None
+
+    @torch.compiler.disable
+    def give_back_gradients(self, optimizer=None, args=None, kwargs=None) -> None:
+        for leaf, grad in self._held_aside:
+            leaf.grad = grad
+        self._held_aside = []
 
     @torch.compiler.disable  # bookkeeping between Python objects, outside any compiled step graph
     def copy_hyperparameters(self) -> None:
@@ -184,7 +210,8 @@ class MasterStep:
 
     @torch.compiler.disable
     def after_update(self) -> None:
-        # a master's gradient lives from the reduce-scatter to the update: the next step must not see it again
+        # a flat shard's gradient lives from the reduce-scatter or hand-over to the update: the next step must not
+        # see it again
         for _, master in self.pairs:
             master.grad = None
         self.share_state()
@@ -209,7 +236,7 @@ class MasterStep:
         self._loading = {master: state_dict["state"][key] for key, (_, master) in zip(saved_keys, self.pairs)
                          if key in state_dict["state"]}
 
-    def _load_into_masters(self, optimizer) -> None:
+    def _load_into_shards(self, optimizer) -> None:
         loading, self._loading = self._loading, {}
         self.replace_state(loading)
 
@@ -258,14 +285,25 @@ class ShardedStep:
     def settle_gradients(self, optimizer=None, args=None, kwargs=None) -> None:
         if self.stage == 0 and self.grad_sync.local_grads_pending:
             # Averaging is idempotent on gradients that were already reduced: a synced last micro-batch stays exact.
-            for bucket in self.buckets("all_reduce", [p for p in self.leaves if p.grad is not None]):
-                _all_reduce_gradients(bucket)
+            self.average_full_gradients()
             self.grad_sync.local_grads_pending = False
         elif self.stage == 1:
             # a parameter without a gradient has none this step, or it is in its master already
             masters = [prepared_param(p).master for p in self.leaves if p.grad is not None]
             for bucket in self.buckets("reduce_scatter", masters):
                 _reduce_scatter_into_masters(bucket)
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    @peer_failures_explained("averaging the gradients")
+    def average_full_gradients(self) -> None:
+        """Every full gradient (stages 0, 1) becomes its average over the ranks, what DDP's backward leaves: one
+        all-reduce per bucket. Stage 0 runs it for gradients ``no_sync`` kept local; stage 1 for torch's
+        ``clip_grad_norm_`` / ``get_total_norm``, and the step's reduce-scatter that follows averages gradients every
+        rank holds alike, which leaves them as they are (averaging is linear, so a gradient accumulated into
+        afterwards is still reduced right)."""
+        for bucket in self.buckets("all_reduce", [p for p in self.leaves if p.grad is not None]):
+            _all_reduce_gradients(bucket)
 
     @torch.compiler.disable  # a compiled step publishes inside its graph (shard_optimizer_pass); this is the eager path
     @torch.no_grad()
@@ -274,6 +312,16 @@ class ShardedStep:
         pending = [shard for shard in self.shards() if _PUBLISHED_AT_VERSION.get(shard) != shard._version]
         for bucket in self.buckets("all_gather", pending):
             _gather_into_full_copies(bucket)
+
+
+def flat_gradient(grad: DTensor, spec: ShardSpec) -> torch.Tensor:
+    """The flat, zero-padded gradient of a leaf's DTensor gradient: the flat gradient its rows are a view of, where
+    they are one (what the hand-over hook of ``prepare`` gives the leaf), else its rows padded (a copy)."""
+    rows = grad.to_local()
+    base = rows._base
+    if base is not None and base.dim() == 1 and base.numel() == spec.chunk and rows.data_ptr() == base.data_ptr():
+        return base
+    return flat_shard(grad, spec)
 
 
 def sharded_step_of(optimizer: torch.optim.Optimizer) -> ShardedStep:
@@ -381,9 +429,12 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     """``torch.nn.utils.clip_grad_norm_`` for the optimizer ``prepare`` returned: the norm of the whole model's
     averaged gradient, the same on every rank (a collective: every rank must call it), and every gradient scaled by
     ``min(1, max_norm / norm)``. Call it between backward and ``optimizer.step()``."""
-    sharded_step_of(optimizer).settle_gradients()
-    updated = (p for group in updating_optimizer(optimizer).param_groups for p in group["params"])
-    params = [p for p in updated if p.grad is not None]
+    step = sharded_step_of(optimizer)
+    step.settle_gradients()
+    # where the averaged gradients are now: stage 1's masters (the reduce-scatter freed the full ones), else what the
+    # model holds (stages 2, 3: the leaves; their flat shards get theirs at the step)
+    holding = updating_optimizer(optimizer) if step.stage == 1 else optimizer
+    params = [p for group in holding.param_groups for p in group["params"] if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
     total = _global_grad_norm(params, float(norm_type))
@@ -399,7 +450,8 @@ def _global_grad_norm(params: list[torch.Tensor], norm_type: float) -> torch.Ten
     grads_over: dict[str, list[torch.Tensor]] = {}  # tp group ("": none) -> gradients split over it
     for param in params:
         tp = spec_of(param).tensor_parallel
-        grads_over.setdefault(tp.group_name if tp is not None and tp.splits else "", []).append(param.grad)
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad  # this rank's rows
+        grads_over.setdefault(tp.group_name if tp is not None and tp.splits else "", []).append(grad)
     terms = []
     for tp_group, grads in grads_over.items():
         if norm_type == math.inf:
@@ -409,7 +461,7 @@ def _global_grad_norm(params: list[torch.Tensor], norm_type: float) -> torch.Ten
         terms.append(_c10d.wait_tensor(_c10d.all_reduce(term, op, tp_group)) if tp_group else term)
     local = torch.stack(terms).max() if norm_type == math.inf else torch.stack(terms).sum()
     spec = spec_of(params[0])
-    if spec.stage >= 1:  # each rank holds a disjoint shard of the gradient (zero padding adds nothing)
+    if spec.stage >= 2 or prepared_param(params[0]).master is params[0]:  # each rank holds a disjoint shard of it
         local = _c10d.wait_tensor(_c10d.all_reduce(local, op, spec.group_name))
     return local if norm_type == math.inf else local ** (1.0 / norm_type)
 
@@ -418,8 +470,8 @@ def _global_grad_norm(params: list[torch.Tensor], norm_type: float) -> torch.Ten
 def _total_norm_of_prepared_grads(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor | None:
     """``torch.nn.utils.get_total_norm`` (what ``clip_grad_norm_`` calls) over gradients of parameters prepare
     laid out: the norm of the whole model's averaged gradient, as DDP's ranks compute it, not this rank's piece; None
-    when no tensor is such a gradient (torch's own computation runs). Stage 1's gradients are not averaged before
-    the step: refused, naming ``backend.clip_grad_norm_``."""
+    when no tensor is such a gradient (torch's own computation runs). Gradients a stage averages only in the step
+    (stage 1; stage 0 after ``no_sync``) are averaged first, so the clip that follows scales what the step uses."""
     prepared = {id(leaf.grad): leaf for leaf in prepared_leaves() if leaf.grad is not None}
     leaves = [prepared[id(t)] for t in tensors if id(t) in prepared]
     if not leaves:
@@ -431,17 +483,13 @@ def _total_norm_of_prepared_grads(tensors: list[torch.Tensor], norm_type: float)
             "the norm of each kind apart"
         )
     spec = spec_of(leaves[0])
-    if spec.stage == 1:
-        raise FxShardError(
-            "torch.nn.utils.clip_grad_norm_ / get_total_norm on a stage-1 model sees this rank's gradients before "
-            "they are averaged (stage 1 averages them in optimizer.step()); call backend.clip_grad_norm_(max_norm) "
-            "instead, between backward and optimizer.step(), on every rank"
-        )
     grad_sync = prepared_param(leaves[0]).grad_sync
-    if grad_sync is not None and grad_sync.local_grads_pending:  # stage 0 after no_sync: averaged as the step would
+    # stage 0 after no_sync, and stage 1 always: this rank's own gradients, averaged here as the step would
+    if grad_sync is not None and (grad_sync.local_grads_pending or spec.stage == 1):
         if grad_sync.settle is None:
-            raise FxShardError("gradients no_sync kept local are averaged by the prepared optimizer's step, and this "
-                               "model was prepared without an optimizer: prepare it with one")
+            raise FxShardError(f"a stage-{spec.stage} model averages the gradients a norm reads in the step of its "
+                               "prepared optimizer, and this model was prepared without one: prepare it with its "
+                               "optimizer")
         grad_sync.settle()
     return _global_grad_norm(leaves, norm_type)
 

@@ -2,11 +2,15 @@
 for it, found from any of them by ``prepared_param``.
 
 - ``leaf``: what the model holds, autograd fills and ``model.parameters()`` yields: the parameter (stages 0, 1),
-  its flat shard (stages 2, 3);
-- ``updated``: what the optimizer's update writes: stage 1's ``master`` (a flat shard), else the leaf;
+  or at stages 2 and 3 a DTensor of the parameter's shape holding this rank's rows (``Shard(0)``, as FSDP2's);
+- ``flat``: at stages 2 and 3 the flat, zero-padded shard of those rows (``fxshard/runtime/sharding.py``), a
+  parameter of its own: the leaf's local tensor is a view of its storage, the compiled graphs read it (and the
+  collectives move it), and the gradient autograd gives it is handed to the leaf (``prepare``);
+- ``updated``: what the optimizer's update writes: stage 1's ``master``, stages 2-3's ``flat``, stage 0's leaf;
 - ``full_copy``: what forward reads of ``updated``, refreshed after each step: stage 1's leaf, stage 2's
   ``resident`` buffer, else none;
-- ``grad_sync``: stage 0's, whether backward averages gradients now (``no_sync``).
+- ``grad_sync``: stages 0 and 1: whether backward averages gradients now (``no_sync``), and how the full gradients
+  this rank holds become the averaged ones before the step.
 
 A parameter that ``prepare`` replaced (by its shard; under tensor parallelism, by the leaf of its DTensor's local
 piece) finds the record too: ``replaced_by`` names its leaf.
@@ -32,8 +36,11 @@ _RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf, master or replace
 
 @dataclasses.dataclass
 class GradSync:
-    """A stage-0 model's: whether backward averages gradients now (not under ``no_sync``), whether some were kept
-    local since the last step, and what averages those (the prepared optimizer's ``settle_gradients``)."""
+    """A stage-0 or stage-1 model's: whether backward averages gradients now (stage 0, not under ``no_sync``),
+    whether some were kept local since the last step, and ``settle``, set by the prepared optimizer, which makes the
+    full gradients this rank holds the averaged ones before the step, as a torch utility reading them needs (stage
+    0: the all-reduce ``no_sync`` left pending; stage 1: an all-reduce of the gradients the step would
+    reduce-scatter, after which the step only slices them)."""
 
     enabled: bool = True
     local_grads_pending: bool = False
@@ -47,6 +54,7 @@ class PreparedParam:
     master: nn.Parameter | None = None
     resident: torch.Tensor | None = None
     grad_sync: GradSync | None = None
+    flat: torch.Tensor | None = None
 
     @property
     def leaf(self) -> nn.Parameter | None:
@@ -54,24 +62,25 @@ class PreparedParam:
 
     @property
     def updated(self) -> torch.Tensor:
-        return self.master if self.master is not None else self.leaf
+        return self.master if self.master is not None else self.flat if self.flat is not None else self.leaf
 
     @property
     def full_copy(self) -> torch.Tensor | None:
         return self.leaf if self.master is not None else self.resident
 
     def is_laid_out(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is one of the tensors prepare made or kept for training (the leaf or the master), not a
-        parameter it replaced."""
-        return tensor is self.leaf or tensor is self.master
+        """Whether ``tensor`` is one of the tensors prepare made or kept for training (the leaf, the master or the
+        flat shard), not a parameter it replaced."""
+        return tensor is self.leaf or tensor is self.master or tensor is self.flat
 
 
 def register(leaf: nn.Parameter, spec: ShardSpec, **tensors) -> PreparedParam:
     """The record of a leaf prepare laid out under ``spec``, with its master, resident copy or GradSync."""
     record = PreparedParam(spec, weakref.ref(leaf), **tensors)
     _RECORDS[leaf] = record
-    if record.master is not None:
-        _RECORDS[record.master] = record
+    for kept in (record.master, record.flat):
+        if kept is not None:
+            _RECORDS[kept] = record
     return record
 
 
@@ -86,7 +95,8 @@ def prepared_param(tensor: torch.Tensor) -> PreparedParam | None:
 
 
 def spec_of(tensor: torch.Tensor) -> ShardSpec | None:
-    """The ShardSpec of a leaf laid out by ``prepare`` (or of a stage-1 master), or None for any other tensor."""
+    """The ShardSpec of a leaf laid out by ``prepare`` (or of a stage-1 master, a stage-2/3 flat shard), or None for
+    any other tensor."""
     record = _RECORDS.get(tensor)
     return record.spec if record is not None and record.is_laid_out(tensor) else None
 

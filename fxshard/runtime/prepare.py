@@ -4,8 +4,13 @@
 |---|---|---|---|
 | 0 | the full parameter | the leaf itself | full parameters |
 | 1 | the full parameter | the leaf itself | flat fp32 shards it owns (master shards) |
-| 2 | the flat shard | a resident full copy (a non-persistent buffer) | the shards |
-| 3 | the flat shard | gathered from the shards at each use | the shards |
+| 2 | a DTensor of the parameter's shape: this rank's rows | a resident full copy (a non-persistent buffer) | the leaves |
+| 3 | the same | gathered from the flat shards at each use | the leaves |
+
+At stages 2 and 3 the leaf's local tensor is a view of the parameter's flat shard (``fxshard/runtime/sharding.py``),
+a Parameter of its own kept in the owning module's ``__dict__``: the accessor hands it to the marker, so the graphs
+read and the collectives move the flat shard, and a hook hands the gradient autograd gives it to the leaf
+(``docs/architecture.md``: why the graphs do not read the DTensor).
 
 For stages 0, 2 and 3 every module that owned a parameter reads it through an accessor (``module.weight``) that
 returns the marker op ``fxshard.unshard``: Dynamo traces it into the graph, and run eagerly it does the real work.
@@ -24,6 +29,7 @@ stay replicated.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -35,7 +41,15 @@ from fxshard.passes.context import COLLECTIVE_TIMEOUT_S
 from fxshard.torch_compat import tree_map
 
 from .groups import collective_group, group_over, peer_failures_explained
-from .layout import full_from_value, gather_full, rows_of_full, shard_from_value, sharded_value, unsharded_value
+from .layout import (
+    as_leaf_value,
+    full_from_value,
+    gather_full,
+    rows_of_full,
+    shard_from_value,
+    sharded_value,
+    unsharded_value,
+)
 from .materialise import InitFn, born_on_meta, default_device, materialise_unit_by_unit, share_random_state
 from .ops import unshard
 from .param import GradSync, prepared_param, register, register_replaced, spec_of
@@ -53,6 +67,9 @@ from .tensor_parallel import (
 _SPECS = "_fxshard_specs"  # module attribute: {parameter attribute name: ShardSpec}
 _PATH = "_fxshard_path"  # module attribute: the module's qualified name in the prepared model
 _RESIDENT = "_fxshard_full_"  # buffer name prefix of a stage-2 parameter's resident full copy
+# module __dict__ key prefix (no registered parameter or buffer): (the leaf, what graphs read of it: the leaf, or at
+# stages 2 and 3 its flat shard)
+_LAID_OUT = "_fxshard_laid_out_"
 _GRAD_SYNC = "_fxshard_grad_sync"  # module attribute: the model's GradSync
 _UNITS = "_fxshard_units"  # the prepared model's attribute, born on meta: {unit: parameter elements materialised}
 
@@ -63,24 +80,24 @@ def grad_sync_of(model: nn.Module) -> GradSync:
             return getattr(module, _GRAD_SYNC)
     raise FxShardError("this model was not prepared; call backend.prepare(model, optimizer) first")
 
-# stage 1: the attribute of the optimizer prepare returned (over the model's parameters) holding its
-# fxshard.runtime.optim.MasterStep (an attribute, not a weak-keyed registry: the MasterStep refers to the optimizer)
-MASTER_STEP = "_fxshard_master_step"
+# stages 1-3: the attribute of the optimizer prepare returned (over the model's parameters) holding its
+# fxshard.runtime.optim.ShardStep (an attribute, not a weak-keyed registry: the ShardStep refers to the optimizer)
+SHARD_STEP = "_fxshard_shard_step"
 
 
 def updating_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose update writes what this rank trains: at stage 1 the one over the fp32 master shards that
-    the returned optimizer steps from its own step; at stages 0, 2 and 3 the returned optimizer itself."""
-    master_step = getattr(optimizer, MASTER_STEP, None)
-    return optimizer if master_step is None else master_step.inner
+    """The optimizer whose update writes what this rank trains: at stages 1-3 the one over the flat shards (stage
+    1: the fp32 masters) that the returned optimizer steps from its own step; at stage 0 the returned optimizer."""
+    shard_step = getattr(optimizer, SHARD_STEP, None)
+    return optimizer if shard_step is None else shard_step.inner
 
 
 def replace_updated_state(optimizer: torch.optim.Optimizer, state_of_updated: dict) -> None:
     """Make ``state_of_updated`` (keyed by what ``updating_optimizer`` updates) the optimizer's whole state: at
-    stage 1 through its MasterStep, which shares it with the returned optimizer's parameters."""
-    master_step = getattr(optimizer, MASTER_STEP, None)
-    if master_step is not None:
-        master_step.replace_state(state_of_updated)
+    stages 1-3 through its ShardStep, which shares it with the returned optimizer's parameters."""
+    shard_step = getattr(optimizer, SHARD_STEP, None)
+    if shard_step is not None:
+        shard_step.replace_state(state_of_updated)
     else:
         optimizer.state.clear()
         optimizer.state.update(state_of_updated)
@@ -110,13 +127,15 @@ def is_prepared(model: nn.Module) -> bool:
 def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
     local = module._parameters[name]
     spec = getattr(module, _SPECS)[name]
-    # Under torch.compile the backend makes this check (on the graph's inputs): Dynamo cannot trace a raise.
-    if not torch.compiler.is_compiling() and (local is None or tuple(local.shape) != spec.local_shape):
-        raise FxShardError(
-            f"{spec.name} was replaced after prepare (it now has shape "
-            f"{None if local is None else list(local.shape)}, prepare left {list(spec.local_shape)}); "
-            "change the model before backend.prepare(model, optimizer), or prepare the changed model anew"
-        )
+    leaf, read = module.__dict__[_LAID_OUT + name]
+    if local is not leaf:
+        if not torch.compiler.is_compiling():
+            raise FxShardError(
+                f"{spec.name} was replaced after prepare (it now has shape "
+                f"{None if local is None else list(local.shape)}, prepare left {list(spec.leaf_shape)}); "
+                "change the model before backend.prepare(model, optimizer), or prepare the changed model anew"
+            )
+        return local  # Dynamo cannot trace a raise: the backend refuses the parameter it did not lay out, by name
     if spec.stage == 1:  # read directly: an accessor only wraps a tensor-parallel piece
         full = local
     else:
@@ -125,7 +144,7 @@ def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
         grad_reduction = spec.grad_reduction
         if spec.stage == 0 and not getattr(module, _GRAD_SYNC).enabled:  # Dynamo guards on it: a graph per setting
             grad_reduction = "none"
-        full = unshard(local, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, grad_reduction,
+        full = unshard(read, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, grad_reduction,
                        spec.param_dtype, spec.reduce_dtype, spec.replicate_size, spec.replicate_group_name)
     return full if spec.tensor_parallel is None else as_tensor_parallel(full, spec.tensor_parallel)
 
@@ -147,7 +166,7 @@ def _saved_value(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     if resident is not None and resident.dtype == param.dtype:  # stage 2's resident copy holds exactly this
         return rows_of_full(resident, spec)
     if spec.trains_shard:
-        return sharded_value(param, spec)
+        return sharded_value(record.flat, spec)
     master = record.master
     if master is not None and master.dtype != param.dtype:  # stage 1 computes in a lower precision than it trains
         return sharded_value(master, spec)
@@ -185,7 +204,7 @@ def _load_state_dict_shard(module, state_dict, prefix, *args):
                     full = (gather_full(shard, spec, resident.dtype) if isinstance(value, DTensor)
                             else full_from_value(value, spec, key))
                     resident.copy_(full)
-                state_dict[key] = shard
+                state_dict[key] = as_leaf_value(shard, spec)
                 continue
             full = full_from_value(value, spec, key)
             master = prepared_param(param).master
@@ -195,21 +214,28 @@ def _load_state_dict_shard(module, state_dict, prefix, *args):
 
 
 def _refuse_conversion(module: nn.Module, apply, fn, recurse: bool = True):
-    """``module._apply`` (what ``.to()``, ``.double()``, ``.cuda()`` run) of a stage-1 or stage-2 module: the
-    optimizer writes each update into a second copy of the parameter that prepare registered (stage 1: the full
-    parameter, stage 2: the resident buffer); a conversion makes new tensors the model reads while the step keeps
-    writing into the old ones, so it is refused before any tensor changes. A conversion that changes nothing
-    (``.to()`` the dtype and device it already has) goes through."""
+    """``module._apply`` (what ``.to()``, ``.double()``, ``.cuda()`` run) of a module prepared at stages 1-3: each
+    parameter lives in more than one tensor prepare registered (stage 1: the full parameter and its master, stage
+    2: the shard and the resident buffer, stages 2-3: the leaf's rows and the flat shard the collectives move); a
+    conversion makes new tensors the model reads while the step and the collectives keep using the old ones, so it
+    is refused before any tensor changes. A conversion that changes no parameter (``.to()`` the dtype and device
+    it already has) converts the buffers only: a DTensor leaf cannot be swapped in place (torch's ``_apply`` would
+    try)."""
     prepared = [(m, name) for m in module.modules() for name in getattr(m, _SPECS, {})]
-    first = next((m._parameters[name] for m, name in prepared if m._parameters[name] is not None), None)
-    if first is not None and fn(first) is not first:
-        spec = getattr(prepared[0][0], _SPECS)[prepared[0][1]]
+    changed = next(((m, name) for m, name in prepared
+                    if m._parameters[name] is not None and fn(m._parameters[name]) is not m._parameters[name]), None)
+    if changed is not None:
+        spec = getattr(changed[0], _SPECS)[changed[1]]
         raise FxShardError(
             f"converting a prepared stage-{spec.stage} model ({spec.name} and the rest: .to(), .double(), .cuda() "
-            "...) would leave the copies the optimizer writes into behind, and training would silently stop "
-            "updating what forward reads; convert the model before backend.prepare(model, optimizer)"
+            "...) would leave the tensors the optimizer and the collectives write into behind, and training would "
+            "silently stop updating what forward reads; convert the model before backend.prepare(model, optimizer)"
         )
-    return apply(fn, recurse)
+    for owner in module.modules() if recurse else [module]:
+        for name, buffer in owner._buffers.items():
+            if buffer is not None:
+                owner._buffers[name] = fn(buffer)
+    return module
 
 
 @torch.compiler.disable  # compiled, the hook's frame would become a graph of its own beside the model's
@@ -246,21 +272,38 @@ def _broadcast_from_first_rank(model: nn.Module, groups) -> None:
             dist.broadcast(local_tensor(tensor).data, src=source, group=group)
 
 
-def _leaf_for(param: nn.Parameter, spec: ShardSpec, shard: torch.Tensor | None) -> nn.Parameter:
-    if not spec.trains_shard:
-        return param
-    return nn.Parameter(shard_of(param, spec, out=shard), requires_grad=param.requires_grad)
+def _hand_gradient_to(leaf_ref: weakref.ref, spec: ShardSpec):
+    """The hook that moves each gradient autograd accumulates into a flat shard (what the graphs read and reduce)
+    onto the leaf the model holds, as its rows (``as_leaf_value``): set, or added where the leaf has one
+    (accumulation over micro-batches). The flat shard keeps none, so ``zero_grad`` of the leaves is all it takes."""
+    def hand_over(flat: nn.Parameter) -> None:
+        grad, flat.grad = flat.grad, None
+        leaf = leaf_ref()
+        if leaf is None:
+            return
+        value = as_leaf_value(grad, spec)
+        if leaf.grad is None:
+            leaf.grad = value
+        else:
+            leaf.grad += value
+    return hand_over
 
 
 def _lay_out(param: nn.Parameter, spec: ShardSpec, grad_sync: GradSync,
              shard: torch.Tensor | None = None) -> nn.Parameter:
     """The trainable leaf of ``param`` under ``spec``, registered with the tensors around it by stage;
     ``shard``: where a sharded leaf's values go (default: a new tensor)."""
-    leaf = _leaf_for(param, spec, shard)
     kept = {}
-    if spec.stage == 0:
+    leaf = param
+    if spec.trains_shard:
+        flat = nn.Parameter(shard_of(param, spec, out=shard), requires_grad=param.requires_grad)
+        leaf = nn.Parameter(as_leaf_value(flat.detach(), spec), requires_grad=param.requires_grad)
+        if flat.requires_grad:
+            flat.register_post_accumulate_grad_hook(_hand_gradient_to(weakref.ref(leaf), spec))
+        kept["flat"] = flat
+    if spec.stage <= 1:
         kept["grad_sync"] = grad_sync
-    elif spec.stage == 1:  # the optimizer updates a flat shard in the parameter's own precision
+    if spec.stage == 1:  # the optimizer updates a flat shard in the parameter's own precision
         kept["master"] = nn.Parameter(shard_of(param, spec), requires_grad=param.requires_grad)
         if spec.param_dtype is not None:
             param.data = param.data.to(spec.param_dtype)
@@ -364,12 +407,15 @@ def shard_parameters(
             continue
         setattr(module, _SPECS, {name: spec_of(leaves[id(param)]) for name, param in owned.items()})
         setattr(module, _PATH, path)
-        if stage in (1, 2):
+        if stage >= 1:
             module.__dict__["_apply"] = functools.partial(_refuse_conversion, module, module._apply)
         module.register_state_dict_post_hook(_state_dict_values)
         module.register_load_state_dict_pre_hook(_load_state_dict_shard)
         for name, param in owned.items():
             module._parameters[name] = leaves[id(param)]  # the parameter itself, unless sharded or born on meta
+            leaf = leaves[id(param)]
+            flat = prepared_param(leaf).flat
+            module.__dict__[_LAID_OUT + name] = (leaf, leaf if flat is None else flat)
         if stage == 1 and not any(spec_of(leaves[id(p)]).tensor_parallel for p in owned.values()):
             continue  # no marker: the parameters stay the leaves, read directly
         for name, param in owned.items():

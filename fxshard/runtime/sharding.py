@@ -66,13 +66,17 @@ class ShardSpec:
 
     @property
     def trains_shard(self) -> bool:
-        """Stages 2 and 3 train the flat shard; stages 0 and 1 train the full parameter."""
+        """Stages 2 and 3 train this rank's shard; stages 0 and 1 train the full parameter."""
         return self.stage >= 2
 
     @property
-    def local_shape(self) -> tuple[int, ...]:
-        """The shape of the trainable leaf the model holds."""
-        return self.shard_shape if self.trains_shard else self.full_shape
+    def leaf_shape(self) -> tuple[int, ...]:
+        """The shape the trainable leaf the model holds reports: at stages 2 and 3 the parameter's own (a DTensor of
+        this rank's rows, ``fxshard/runtime/layout.py``; a 0-d parameter: its flat one-element shard), else the full
+        parameter's (under tensor parallelism, at stages 0 and 1, its local piece's)."""
+        if not self.trains_shard:
+            return self.full_shape
+        return self.global_shape if self.full_shape else (self.chunk,)
 
     @property
     def grad_reduction(self) -> str:
@@ -92,8 +96,11 @@ class ShardSpec:
         return self.chunk * self.world_size - self.numel
 
     @property
-    def shard_shape(self) -> tuple[int, ...]:
-        return (self.chunk,)
+    def rows(self) -> tuple[int, int]:
+        """The dim-0 rows ``[start, stop)`` of the full parameter this rank holds (``torch.chunk``'s split)."""
+        rows = self.full_shape[0] if self.full_shape else 1
+        per_rank = -(-rows // self.world_size)
+        return min(self.rank * per_rank, rows), min((self.rank + 1) * per_rank, rows)
 
 
 def row_size(shape) -> int:
