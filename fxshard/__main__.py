@@ -255,9 +255,12 @@ def _report(args, script_args: list[str]) -> int:
 
     from fxshard.report.measure import CollectiveCounter
     from fxshard.report.tables import ledger_report
+    from fxshard.runtime.prepare import steps_inside_another
 
     with CollectiveCounter() as counter:
-        handle = register_optimizer_step_post_hook(lambda *a: counter.mark_step())
+        # a step is the script's optimizer's: the one prepare returned steps another over the flat shards inside it
+        handle = register_optimizer_step_post_hook(
+            lambda optimizer, *a: None if steps_inside_another(optimizer) else counter.mark_step())
         try:
             backends = _run_script(args.script, script_args, "report")
         finally:

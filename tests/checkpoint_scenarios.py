@@ -28,7 +28,7 @@ import fxshard
 from fxshard import checkpoint
 from fxshard.runtime import layout
 from fxshard.runtime.layout import gather_full
-from fxshard.runtime.param import spec_of
+from fxshard.runtime.param import prepared_param, spec_of
 from fxshard.testing import rank_and_world
 from scenarios import build_model, global_batch, hybrid_mesh, make_optimizer, peak_allocated_bytes
 
@@ -101,7 +101,8 @@ def _layout(value, flat: torch.Tensor | None = None) -> dict:
 def _layouts(model, opt, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
     """``_layout`` of every entry of ``model.state_dict()`` and of ``opt.state_dict()`` (as ``name.kind``), each
     beside the flat shard (parameter, optimizer state) it was made from."""
-    shards = dict(model.named_parameters())
+    shards = {name: p if prepared_param(p).flat is None else prepared_param(p).flat  # stages 2, 3: under the rows
+              for name, p in model.named_parameters()}
     updated = [p for group in opt.param_groups for p in group["params"]]
     model_layout = {k: _layout(v, shards.get(k)) for k, v in model_sd.items()}
     optim_layout = {f"{spec_of(updated[key]).name}.{kind}": _layout(value, opt.state[updated[key]][kind])

@@ -7,7 +7,7 @@ import torch
 import fxshard
 from examples.large_model_memory import LARGE, reset_resident_peak, resident_peak, start
 from examples.models import GPT, GPTConfig
-from fxshard.runtime.param import spec_of
+from fxshard.runtime.param import prepared_param, spec_of
 from fxshard.runtime.sharding import shard_of
 from fxshard.testing import rank_and_world
 
@@ -27,7 +27,8 @@ def prepare_a_large_model_on_meta(stage: int) -> dict:
     torch.manual_seed(1234 if rank == 0 else 99)
     _, model = start("fxshard born sharded", stage)
     peak = resident_peak() - before
-    held = dict(model.named_parameters())
+    held = {name: prepared_param(p).flat if prepared_param(p).flat is not None else p  # stages 2, 3: the flat shard
+            for name, p in model.named_parameters()}
     torch.manual_seed(1234)
     reference = GPT(LARGE)
     mismatched = []

@@ -177,7 +177,7 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
     saved for backward or kept alive between steps."""
     import gc
 
-    from fxshard.runtime.param import spec_of
+    from fxshard.runtime.param import prepared_param, spec_of
 
     torch._dynamo.reset()
     gc.collect()
@@ -190,7 +190,8 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
     model, opt = backend.prepare(model, make_optimizer("adamw", model.parameters()))
     gc.collect()
     params = dict(model.named_parameters())
-    storage = {n: (p.untyped_storage().nbytes(), spec_of(p).chunk * p.element_size()) for n, p in params.items()}
+    storage = {n: (p.to_local().untyped_storage().nbytes(), spec_of(p).chunk * p.element_size())
+               for n, p in params.items()}
     run = torch.compile(model, backend=backend, fullgraph=True)
     generator = torch.Generator().manual_seed(rank)
     saved_full, alive_full = set(), set()
@@ -215,7 +216,7 @@ def memory_of_training(steps: int = 2, **backend_options) -> dict:
     state_shapes = {tuple(v.shape) for s in opt.state.values() for v in s.values() if v.dim() > 0}
     return {
         "storage": storage,
-        "shard_shapes": {n: tuple(p.shape) for n, p in params.items()},
+        "flat_shard_shapes": {n: tuple(prepared_param(p).flat.shape) for n, p in params.items()},
         "optimizer_state_shapes": state_shapes,
         "saved_full_weights": sorted(saved_full),
         "alive_full_weights": sorted(alive_full),
@@ -532,8 +533,9 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
         leaves = {id(p) for p in model.parameters()}
         masters = [p for g in updating_optimizer(opt).param_groups for p in g["params"] if id(p) not in leaves]
         measured = {
-            "compute copy and master": _storage_bytes(model.parameters()) + _storage_bytes(masters)
-            + _storage_bytes(b for n, b in model.named_buffers() if "_fxshard_full_" in n),
+            # distinct storages: a stage-2/3 leaf's rows are a view of the flat shard its optimizer updates
+            "compute copy and master": _storage_bytes([*model.parameters(), *masters, *(
+                b for n, b in model.named_buffers() if "_fxshard_full_" in n)]),
             "gradients": grads,
             "optimizer state": _storage_bytes(v for s in opt.state.values() for v in s.values() if v.dim()),
             "collectives": {k: (t["bytes"], t["calls"]) for k, t in counter.totals().items()},

@@ -13,10 +13,10 @@ def default_run(pools):
 def test_resident_state_is_shards_only(default_run):
     for result in default_run:
         for name, (nbytes, shard_bytes) in result["storage"].items():
-            assert nbytes == shard_bytes, name  # the parameter's storage is its padded flat shard, no more
-        shard_shapes = set(result["shard_shapes"].values())
+            assert nbytes == shard_bytes, name  # the parameter's rows are a view of its padded flat shard, no more
+        shard_shapes = set(result["flat_shard_shapes"].values())
         assert all(len(shape) == 1 for shape in shard_shapes)
-        assert result["optimizer_state_shapes"] <= shard_shapes  # AdamW's m and v are shards too
+        assert result["optimizer_state_shapes"] <= shard_shapes  # AdamW's m and v are flat shards too
 
 
 def test_no_full_weight_alive_between_steps(default_run):

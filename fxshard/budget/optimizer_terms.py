@@ -114,16 +114,18 @@ def step_peaks(step_collectives: list[Term], gradients: list[Term]) -> list[list
 def optimizer_bytes(optimizer, model) -> int:
     """Bytes per rank the optimizer keeps that no graph of the model takes as input: its state for every element
     it updates (the state kinds of ``optimizer_state_kinds``, allocated at the first step), and the tensors it
-    updates that are not the model's parameters (stage 1's master shards)."""
+    updates that are copies of their own, not storage of the model's parameters (stage 1's master shards; stages
+    2-3's flat shards are the storage of the leaves)."""
+    from fxshard.runtime.param import prepared_param
     from fxshard.runtime.prepare import updating_optimizer
 
-    model_leaves = {id(p) for p in model.parameters()}
     total = 0
     for group in updating_optimizer(optimizer).param_groups:
         kinds = optimizer_state_kinds(type(optimizer).__name__, group)
         for tensor in group["params"]:
             if not tensor.requires_grad:
                 continue
-            per_element = len(kinds) + (id(tensor) not in model_leaves)
+            record = prepared_param(tensor)
+            per_element = len(kinds) + (record is not None and record.master is tensor)
             total += per_element * tensor.numel() * tensor.element_size()
     return total

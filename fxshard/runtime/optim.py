@@ -33,7 +33,7 @@ from .groups import peer_failures_explained
 from .layout import flat_shard, full_from_value, gather_full, global_of
 from .ops import cast_to, flat_padded, reduce_scatter_mean
 from .param import GradSync, prepared_leaves, prepared_param, replaced_by, spec_of
-from .prepare import SHARD_STEP, replace_updated_state, updating_optimizer
+from .prepare import SHARD_STEP, STEPPED_BY, replace_updated_state, updating_optimizer
 from .sharding import ShardSpec, pack_greedily, shard_of, unpad
 
 _SHARDED_STEP = "_fxshard_sharded_step"  # attribute of the optimizers prepare returns: their ShardedStep
@@ -168,6 +168,7 @@ class ShardStep:
         self._loading: dict = {}
         self._held_aside: list[tuple[torch.Tensor, torch.Tensor]] = []  # (leaf, its gradient) during the outer update
         setattr(outer, SHARD_STEP, self)
+        inner.__dict__[STEPPED_BY] = self
         outer.register_step_pre_hook(self.step_shards)
         outer.register_step_post_hook(self.give_back_gradients)
         outer.register_load_state_dict_pre_hook(self._keep_laid_out)  # after the checkpoint's: it lays out

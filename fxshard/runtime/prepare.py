@@ -83,6 +83,7 @@ def grad_sync_of(model: nn.Module) -> GradSync:
 # stages 1-3: the attribute of the optimizer prepare returned (over the model's parameters) holding its
 # fxshard.runtime.optim.ShardStep (an attribute, not a weak-keyed registry: the ShardStep refers to the optimizer)
 SHARD_STEP = "_fxshard_shard_step"
+STEPPED_BY = "_fxshard_stepped_by"  # attribute of that ShardStep's inner optimizer: the ShardStep
 
 
 def updating_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -90,6 +91,11 @@ def updating_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
     1: the fp32 masters) that the returned optimizer steps from its own step; at stage 0 the returned optimizer."""
     shard_step = getattr(optimizer, SHARD_STEP, None)
     return optimizer if shard_step is None else shard_step.inner
+
+
+def steps_inside_another(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is the one over the flat shards that a returned optimizer steps from its own step."""
+    return optimizer.__dict__.get(STEPPED_BY) is not None
 
 
 def replace_updated_state(optimizer: torch.optim.Optimizer, state_of_updated: dict) -> None:
