@@ -881,7 +881,7 @@ def decay_groups_by_ndim(stage: int, steps: int = 3) -> dict:
     from torch.distributed.tensor import DTensor
 
     rank, world = rank_and_world()
-    model = build_model("gpt")
+    model = build_model("mlp_uneven")
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
 
@@ -902,10 +902,10 @@ def decay_groups_by_ndim(stage: int, steps: int = 3) -> dict:
     run = torch.compile(model, backend=backend, fullgraph=True)
     generator = torch.Generator().manual_seed(1)
     for step in range(steps):
-        batch = global_batch("gpt", world * PER_RANK_BATCH, generator)
+        batch = global_batch("mlp_uneven", world * PER_RANK_BATCH, generator)
         local = tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
-        loss_of("gpt", run, local).backward()
-        loss_of("gpt", reference, batch).backward()
+        loss_of("mlp_uneven", run, local).backward()
+        loss_of("mlp_uneven", reference, batch).backward()
         if step == 0:
             grads_shaped = all(p.grad.shape == p.shape and p.grad.ndim == p.ndim for p in model.parameters())
             # as an FSDP2 script logs it: a DTensor norm (stages 2, 3) is this rank's part until full_tensor()

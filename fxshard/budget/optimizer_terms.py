@@ -111,7 +111,7 @@ def step_peaks(step_collectives: list[Term], gradients: list[Term]) -> list[list
     return peaks
 
 
-def optimizer_bytes(optimizer, model) -> int:
+def optimizer_bytes(optimizer) -> int:
     """Bytes per rank the optimizer keeps that no graph of the model takes as input: its state for every element
     it updates (the state kinds of ``optimizer_state_kinds``, allocated at the first step), and the tensors it
     updates that are copies of their own, not storage of the model's parameters (stage 1's master shards; stages

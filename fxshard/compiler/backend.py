@@ -246,7 +246,7 @@ class Backend:
             graph="joint",
             world_size=first.world_size if first else 1,
             group_name=first.group_name if first else "",
-            optimizer_bytes=0 if self.optimizer is None else optimizer_bytes(self.optimizer, self.model),
+            optimizer_bytes=0 if self.optimizer is None else optimizer_bytes(self.optimizer),
             reduce_scatter_by_all_to_all=first is not None and scatters_by_all_to_all(first.group_name),
             group_twins=self._group_twins(),
             secondary_group_name=self._secondary[0],

@@ -1,4 +1,5 @@
-"""A flat shard as the value a state dict holds: a DTensor of the parameter's full shape holding this rank's rows.
+"""A flat shard as the value a stage-2/3 leaf and a state dict hold: a DTensor of the parameter's full shape holding
+this rank's rows.
 
 fxshard keeps every parameter as a FLAT, row-aligned shard (``fxshard/runtime/sharding.py``). DCP cannot describe a
 flat range; a state dict therefore holds what FSDP2's holds:
@@ -17,7 +18,8 @@ Under tensor parallelism (``fxshard/runtime/tensor_parallel.py``) fxshard shards
 the rows above are rows of that local tensor, and the DTensor has the parameter's global shape over two mesh
 dimensions (fxshard's shard dimension, then the tp one); a tensor held in full is a DTensor over the tp dimension.
 
-Both the module state dicts (``prepare``'s hooks) and the optimizer's (``optimizer_state_dict``) build on this.
+The leaves of stages 2 and 3 (``as_leaf_value``), the module state dicts (``prepare``'s hooks) and the optimizer's
+(``optimizer_state_dict``) build on this.
 """
 
 from __future__ import annotations
