@@ -38,6 +38,8 @@ def build_model(name: str) -> torch.nn.Module:
         return GPT(GPTConfig())
     if name == "mlp_uneven":  # shapes that no world size of 2 or 3 divides
         return MLP(d_in=7, d_hidden=11, d_out=5)
+    if name == "mlp_temperature":  # the uneven MLP and a 0-d parameter
+        return MLPWithTemperature()
     if name == "gpt_checkpointed":  # activation checkpointing: each block recomputed in backward
         model = GPT(GPTConfig())
         model.blocks = torch.nn.ModuleList(CheckpointedBlock(block) for block in model.blocks)
@@ -874,14 +876,14 @@ def train_with_grad_scaler(stage: int, scaler_class: str, steps: int = 3) -> dic
 
 def decay_groups_by_ndim(stage: int, steps: int = 3) -> dict:
     """The nanoGPT / HuggingFace weight-decay rule (a parameter of 2 or more dimensions decays, the rest not) applied
-    to what prepare left: at stages 0 and 3 the optimizer is built after prepare, as an FSDP2 script builds it after
-    ``fully_shard``; at stages 1 and 2, whose communication runs in the prepared optimizer's step, before prepare and
-    passed to it. Trained beside a single process with the same rule; also returns, after the first backward,
+    to what prepare left of an MLP with a learned 0-d temperature: at stages 0 and 3 the optimizer is built after
+    prepare, as an FSDP2 script builds it after ``fully_shard``; at stages 1 and 2, whose communication runs in the
+    prepared optimizer's step, before prepare and passed to it. Trained beside a single process with the same rule; also returns, after the first backward,
     whether every gradient has its parameter's shape and each parameter's gradient norm (what a script logs)."""
     from torch.distributed.tensor import DTensor
 
     rank, world = rank_and_world()
-    model = build_model("mlp_uneven")
+    model = build_model("mlp_temperature")
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
 
@@ -907,11 +909,12 @@ def decay_groups_by_ndim(stage: int, steps: int = 3) -> dict:
         loss_of("mlp_uneven", run, local).backward()
         loss_of("mlp_uneven", reference, batch).backward()
         if step == 0:
-            grads_shaped = all(p.grad.shape == p.shape and p.grad.ndim == p.ndim for p in model.parameters())
+            grads_shaped = all(p.grad.shape == p.shape for p in model.parameters())
             # as an FSDP2 script logs it: a DTensor norm (stages 2, 3) is this rank's part until full_tensor()
+            reference_grad_norms = {n: p.grad.norm().item() for n, p in reference.named_parameters() if p.ndim}
             grad_norms = {n: (norm.full_tensor() if isinstance(norm := p.grad.norm(), DTensor) else norm).item()
-                          for n, p in model.named_parameters()}
-            reference_grad_norms = {n: p.grad.norm().item() for n, p in reference.named_parameters()}
+                          for n, p in model.named_parameters()
+                          if n in reference_grad_norms}  # (a 0-d one reports its flat shard at stages 2, 3)
         for optimizer in (opt, reference_opt):
             optimizer.step()
             optimizer.zero_grad()

@@ -191,7 +191,7 @@ class ShardStep:
         outer update runs (it must find none to apply again) and given back after it (``give_back_gradients``), so
         a script reads and zeroes it as under DDP."""
         for leaf, flat in self.pairs:
-            if isinstance(leaf.grad, DTensor):
+            if leaf.grad is not None and prepared_param(flat).flat is flat:  # stages 2, 3 (stage 1: the masters)
                 flat.grad = flat_gradient(leaf.grad, spec_of(flat))
                 self._held_aside.append((leaf, leaf.grad))
                 leaf.grad = None
@@ -315,9 +315,12 @@ class ShardedStep:
             _gather_into_full_copies(bucket)
 
 
-def flat_gradient(grad: DTensor, spec: ShardSpec) -> torch.Tensor:
-    """The flat, zero-padded gradient of a leaf's DTensor gradient: the flat gradient its rows are a view of, where
-    they are one (what the hand-over hook of ``prepare`` gives the leaf), else its rows padded (a copy)."""
+def flat_gradient(grad: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The flat, zero-padded gradient of a stage-2/3 leaf's gradient: the flat gradient its rows are a view of, where
+    they are one (what the hand-over hook of ``prepare`` gives the leaf), else its rows padded (a copy); a 0-d
+    parameter's leaf is flat already."""
+    if not isinstance(grad, DTensor):
+        return grad
     rows = grad.to_local()
     base = rows._base
     if base is not None and base.dim() == 1 and base.numel() == spec.chunk and rows.data_ptr() == base.data_ptr():

@@ -219,7 +219,7 @@ def _load_state_dict_shard(module, state_dict, prefix, *args):
             state_dict[key] = full
 
 
-def _refuse_conversion(module: nn.Module, apply, fn, recurse: bool = True):
+def _refuse_conversion(module: nn.Module, fn, recurse: bool = True):
     """``module._apply`` (what ``.to()``, ``.double()``, ``.cuda()`` run) of a module prepared at stages 1-3: each
     parameter lives in more than one tensor prepare registered (stage 1: the full parameter and its master, stage
     2: the shard and the resident buffer, stages 2-3: the leaf's rows and the flat shard the collectives move); a
@@ -414,12 +414,12 @@ def shard_parameters(
         setattr(module, _SPECS, {name: spec_of(leaves[id(param)]) for name, param in owned.items()})
         setattr(module, _PATH, path)
         if stage >= 1:
-            module.__dict__["_apply"] = functools.partial(_refuse_conversion, module, module._apply)
+            module.__dict__["_apply"] = functools.partial(_refuse_conversion, module)
         module.register_state_dict_post_hook(_state_dict_values)
         module.register_load_state_dict_pre_hook(_load_state_dict_shard)
         for name, param in owned.items():
-            module._parameters[name] = leaves[id(param)]  # the parameter itself, unless sharded or born on meta
             leaf = leaves[id(param)]
+            module._parameters[name] = leaf  # the parameter itself, unless sharded or born on meta
             flat = prepared_param(leaf).flat
             module.__dict__[_LAID_OUT + name] = (leaf, leaf if flat is None else flat)
         if stage == 1 and not any(spec_of(leaves[id(p)]).tensor_parallel for p in owned.values()):
