@@ -1,5 +1,6 @@
 """What prepare does to a model and an optimizer."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -74,6 +75,28 @@ def test_frozen_parameters_are_sharded_and_get_no_reduce_scatter():
     assert [(r["kind"], r["unit"]) for r in collectives(backward) if r["kind"] == "reduce_scatter"] == [
         ("reduce_scatter", "fc2")
     ]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_parameter_frozen_after_prepare_gets_no_gradient_and_no_update(stage):
+    with fake_process_group(2):
+        torch._dynamo.reset()
+        backend = fxshard.backend(compiler="eager", stage=stage)
+        model = MLP()
+        model, opt = backend.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        run = torch.compile(model, backend=backend, fullgraph=True)
+        run(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        model.fc1.requires_grad_(False)  # as a script freezes a layer to fine-tune the rest
+        frozen = prepared_param(model.fc1._parameters["weight"]).flat
+        before = frozen.detach().clone()
+        for forward in (run, model):  # compiled (a new graph: Dynamo guards on it) and eager
+            forward(torch.randn(4, 8)).sum().backward()
+            assert model.fc1._parameters["weight"].grad is None and model.fc2._parameters["weight"].grad is not None
+            opt.step()
+            opt.zero_grad()
+        assert torch.equal(frozen.detach(), before)
 
 
 def test_optimizer_keeps_class_groups_and_hyperparameters():

@@ -142,6 +142,8 @@ def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
                 "change the model before backend.prepare(model, optimizer), or prepare the changed model anew"
             )
         return local  # Dynamo cannot trace a raise: the backend refuses the parameter it did not lay out, by name
+    if read is not leaf and not leaf.requires_grad:  # frozen after prepare: its flat shard gets no gradient either
+        read = read.detach()
     if spec.stage == 1:  # read directly: an accessor only wraps a tensor-parallel piece
         full = local
     else:
@@ -285,7 +287,7 @@ def _hand_gradient_to(leaf_ref: weakref.ref, spec: ShardSpec):
     def hand_over(flat: nn.Parameter) -> None:
         grad, flat.grad = flat.grad, None
         leaf = leaf_ref()
-        if leaf is None:
+        if leaf is None or grad is None:  # (a compiled graph that reads the shard detached, frozen, gives none)
             return
         value = as_leaf_value(grad, spec)
         if leaf.grad is None:
