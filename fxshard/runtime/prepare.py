@@ -142,13 +142,13 @@ def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
                 "change the model before backend.prepare(model, optimizer), or prepare the changed model anew"
             )
         return local  # Dynamo cannot trace a raise: the backend refuses the parameter it did not lay out, by name
-    if read is not leaf and not leaf.requires_grad:  # frozen after prepare: its flat shard gets no gradient either
-        read = read.detach()
     if spec.stage == 1:  # read directly: an accessor only wraps a tensor-parallel piece
         full = local
     else:
         fqn = f"{getattr(module, _PATH)}.{name}" if getattr(module, _PATH) else name
-        resident = module._buffers.get(_RESIDENT + name)
+        resident = module._buffers.get(_RESIDENT + name)  # (read before the flat shard: the graph's input order)
+        if read is not leaf and not leaf.requires_grad:  # frozen after prepare: its flat shard gets no gradient
+            read = read.detach()
         grad_reduction = spec.grad_reduction
         if spec.stage == 0 and not getattr(module, _GRAD_SYNC).enabled:  # Dynamo guards on it: a graph per setting
             grad_reduction = "none"
