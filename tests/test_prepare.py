@@ -99,6 +99,19 @@ def test_a_parameter_frozen_after_prepare_gets_no_gradient_and_no_update(stage):
         assert torch.equal(frozen.detach(), before)
 
 
+def test_a_dropped_prepared_model_frees_its_shards():
+    import gc
+    import weakref
+
+    with fake_process_group(2):
+        model, opt = fxshard.backend(compiler="eager", stage=3).prepare(MLP())
+        leaf = model.fc1._parameters["weight"]
+        held = [weakref.ref(leaf), weakref.ref(prepared_param(leaf).flat)]
+        del model, opt, leaf
+        gc.collect()
+        assert [ref() for ref in held] == [None, None]
+
+
 def test_optimizer_keeps_class_groups_and_hyperparameters():
     with fake_process_group(2):
         model = MLP()

@@ -15,8 +15,9 @@ for it, found from any of them by ``prepared_param``.
 A parameter that ``prepare`` replaced (by its shard; under tensor parallelism, by the leaf of its DTensor's local
 piece) finds the record too: ``replaced_by`` names its leaf.
 
-The registry holds the leaf weakly (the model owns it) and a stage-1 master strongly (the record owns it, as
-FSDP2's ``FSDPParam`` owns its sharded parameter).
+The registry holds the leaf and the flat shard weakly (the model owns them: its ``_parameters`` and the owning
+module's ``__dict__``), so a model dropped is freed, and a stage-1 master strongly (the record owns it, as FSDP2's
+``FSDPParam`` owns its sharded parameter).
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ class PreparedParam:
     master: nn.Parameter | None = None
     resident: torch.Tensor | None = None
     grad_sync: GradSync | None = None
-    flat: torch.Tensor | None = None
+    _flat: weakref.ref | None = None
+
+    @property
+    def flat(self) -> nn.Parameter | None:
+        return None if self._flat is None else self._flat()
 
     @property
     def leaf(self) -> nn.Parameter | None:
@@ -74,9 +79,10 @@ class PreparedParam:
         return tensor is self.leaf or tensor is self.master or tensor is self.flat
 
 
-def register(leaf: nn.Parameter, spec: ShardSpec, **tensors) -> PreparedParam:
-    """The record of a leaf prepare laid out under ``spec``, with its master, resident copy or GradSync."""
-    record = PreparedParam(spec, weakref.ref(leaf), **tensors)
+def register(leaf: nn.Parameter, spec: ShardSpec, flat: nn.Parameter | None = None, **tensors) -> PreparedParam:
+    """The record of a leaf prepare laid out under ``spec``, with its flat shard, master, resident copy or
+    GradSync."""
+    record = PreparedParam(spec, weakref.ref(leaf), _flat=None if flat is None else weakref.ref(flat), **tensors)
     _RECORDS[leaf] = record
     for kept in (record.master, record.flat):
         if kept is not None:

@@ -298,9 +298,10 @@ def _hand_gradient_to(leaf_ref: weakref.ref, spec: ShardSpec):
 
 
 def _lay_out(param: nn.Parameter, spec: ShardSpec, grad_sync: GradSync,
-             shard: torch.Tensor | None = None) -> nn.Parameter:
-    """The trainable leaf of ``param`` under ``spec``, registered with the tensors around it by stage;
-    ``shard``: where a sharded leaf's values go (default: a new tensor)."""
+             shard: torch.Tensor | None = None) -> tuple[nn.Parameter, nn.Parameter]:
+    """The trainable leaf of ``param`` under ``spec``, registered with the tensors around it by stage, and what the
+    graphs read of it (the leaf, or at stages 2 and 3 its flat shard, which the record holds weakly: the caller
+    keeps it); ``shard``: where a flat shard's values go (default: a new tensor)."""
     kept = {}
     leaf = param
     if spec.trains_shard:
@@ -320,7 +321,7 @@ def _lay_out(param: nn.Parameter, spec: ShardSpec, grad_sync: GradSync,
     register(leaf, spec, **kept)
     if leaf is not param:
         register_replaced(param, leaf)
-    return leaf
+    return leaf, kept.get("flat", leaf)
 
 
 def _specs_by_parameter(model: nn.Module, spec_for) -> dict[int, tuple[nn.Parameter, ShardSpec]]:
@@ -381,6 +382,7 @@ def shard_parameters(
         name, tuple(local_tensor(param).shape), world_size, rank, group_name, stage, param_dtype, reduce_dtype,
         **replicas, tensor_parallel=tensor_parallel.get(id(param))))
     leaves: dict[int, nn.Parameter] = {}
+    reads: dict[int, nn.Parameter] = {}  # what the graphs read of each (owned, at stages 2 and 3, by its modules)
     if born_on_meta(model):
         device = torch.device(device) if device is not None else default_device(group)
         # under tensor parallelism every rank initialises each parameter whole and keeps its tp piece: all alike
@@ -394,8 +396,8 @@ def shard_parameters(
             spec = specs[id(meta)][1]
             if spec.tensor_parallel is not None:  # initialised whole, as one process would: this tp rank's piece
                 full = local_value(full, spec.tensor_parallel).clone()  # (a view would keep the whole alive)
-            leaf = _lay_out(nn.Parameter(full, requires_grad=meta.requires_grad), spec, grad_sync,
-                            shards.pop(id(meta), None))
+            leaf, reads[id(meta)] = _lay_out(nn.Parameter(full, requires_grad=meta.requires_grad), spec, grad_sync,
+                                             shards.pop(id(meta), None))
             leaves[id(meta)] = leaf
             register_replaced(meta, leaf)
 
@@ -408,7 +410,8 @@ def shard_parameters(
                 "shard by shard, or drop these arguments"
             )
         _broadcast_from_first_rank(model, synced_over)
-        leaves = {key: _lay_out(local_parameter(param), spec, grad_sync) for key, (param, spec) in specs.items()}
+        for key, (param, spec) in specs.items():
+            leaves[key], reads[key] = _lay_out(local_parameter(param), spec, grad_sync)
     for path, module in model.named_modules(remove_duplicate=False):
         owned = {n: p for n, p in module._parameters.items() if p is not None}
         if not owned or hasattr(module, _SPECS):
@@ -420,10 +423,8 @@ def shard_parameters(
         module.register_state_dict_post_hook(_state_dict_values)
         module.register_load_state_dict_pre_hook(_load_state_dict_shard)
         for name, param in owned.items():
-            leaf = leaves[id(param)]
-            module._parameters[name] = leaf  # the parameter itself, unless sharded or born on meta
-            flat = prepared_param(leaf).flat
-            module.__dict__[_LAID_OUT + name] = (leaf, leaf if flat is None else flat)
+            module._parameters[name] = leaves[id(param)]  # the parameter itself, unless sharded or born on meta
+            module.__dict__[_LAID_OUT + name] = (leaves[id(param)], reads[id(param)])
         if stage == 1 and not any(spec_of(leaves[id(p)]).tensor_parallel for p in owned.values()):
             continue  # no marker: the parameters stay the leaves, read directly
         for name, param in owned.items():
