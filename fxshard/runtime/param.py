@@ -16,8 +16,8 @@ A parameter that ``prepare`` replaced (by its shard; under tensor parallelism, b
 piece) finds the record too: ``replaced_by`` names its leaf.
 
 The registry holds the leaf and the flat shard weakly (the model owns them: its ``_parameters`` and the owning
-module's ``__dict__``), so a model dropped is freed, and a stage-1 master strongly (the record owns it, as FSDP2's
-``FSDPParam`` owns its sharded parameter).
+module's ``__dict__``) and a stage-1 master strongly (the record owns it, as FSDP2's ``FSDPParam`` owns its
+sharded parameter).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .sharding import ShardSpec
 
-_RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf, master or replaced parameter -> its PreparedParam
+_RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf, master, flat or replaced parameter -> its record
 
 
 @dataclasses.dataclass
@@ -40,8 +40,7 @@ class GradSync:
     """A stage-0 or stage-1 model's: whether backward averages gradients now (stage 0, not under ``no_sync``),
     whether some were kept local since the last step, and ``settle``, set by the prepared optimizer, which makes the
     full gradients this rank holds the averaged ones before the step, as a torch utility reading them needs (stage
-    0: the all-reduce ``no_sync`` left pending; stage 1: an all-reduce of the gradients the step would
-    reduce-scatter, after which the step only slices them)."""
+    0: the all-reduce ``no_sync`` left pending; stage 1: an all-reduce of the gradients the step reduce-scatters)."""
 
     enabled: bool = True
     local_grads_pending: bool = False
