@@ -3,8 +3,8 @@
 
 DCP keys optimizer state by parameter name only through ``get_state_dict``, which finds a parameter's name by
 identity in ``model.named_parameters()``: the optimizer ``prepare`` returns holds the model's parameters at every
-stage (stage 1's steps an inner optimizer over the masters: ``fxshard.runtime.optim.ShardStep``), so torch's
-``get_state_dict`` / ``set_state_dict`` work. The functions here take the same arguments and return the same dicts,
+stage (at stages 1-3 its step steps an inner optimizer over the flat shards:
+``fxshard.runtime.optim.FlatShardUpdate``), so torch's ``get_state_dict`` / ``set_state_dict`` work. The functions here take the same arguments and return the same dicts,
 and check a state dict against the model and optimizer before anything changes. The values are laid out as
 ``fxshard.runtime.layout`` says: DTensors of the full shape where a rank holds a shard.
 """

@@ -3,7 +3,7 @@
 | stage | the optimizer updates | its step also |
 |---|---|---|
 | 0 | full parameters | all-reduces gradients that ``no_sync`` kept local (before the update) |
-| 1 | flat master shards of the full parameters (its groups hold the parameters; see ``ShardStep``) | reduce-scatters the full gradients into the masters (before), all-gathers the updated masters into the parameters (after) |
+| 1 | flat master shards of the full parameters (its groups hold the parameters; see ``FlatShardUpdate``) | reduce-scatters the full gradients into the masters (before), all-gathers the updated masters into the parameters (after) |
 | 2 | the flat shards under the leaves (its groups hold the leaves, DTensors of the parameters' shapes) | all-gathers the updated flat shards into the resident full copies (after) |
 | 3 | the flat shards under the leaves, as at stage 2 | nothing: gradients arrive reduced, forward gathers |
 
@@ -33,7 +33,7 @@ from .groups import peer_failures_explained
 from .layout import flat_shard, full_from_value, gather_full, global_of
 from .ops import cast_to, flat_padded, reduce_scatter_mean
 from .param import GradSync, prepared_leaves, prepared_param, replaced_by, spec_of
-from .prepare import SHARD_STEP, STEPPED_BY, replace_updated_state, updating_optimizer
+from .prepare import FLAT_SHARD_UPDATE, STEPPED_BY, replace_updated_state, updating_optimizer
 from .sharding import ShardSpec, pack_greedily, shard_of, unpad
 
 _SHARDED_STEP = "_fxshard_sharded_step"  # attribute of the optimizers prepare returns: their ShardedStep
@@ -90,7 +90,7 @@ def shard_optimizer_over(
     optimizer: torch.optim.Optimizer, leaves: dict[int, nn.Parameter], grad_sync: GradSync, bucket_bytes: int
 ) -> torch.optim.Optimizer:
     """``optimizer`` itself, now over what this rank updates (shard leaves; full parameters for stage 0; for stage 1
-    the model's full parameters, stepping an inner optimizer over their master shards: :class:`ShardStep`), its
+    the model's full parameters, stepping an inner optimizer over their master shards: :class:`FlatShardUpdate`), its
     existing state laid out the same way, with the stage's ``ShardedStep`` (collectives packed in buckets of up to
     ``bucket_bytes``) hooked around the update."""
     _check_optimizer(optimizer, leaves)
@@ -120,7 +120,7 @@ def shard_optimizer_over(
     optimizer.register_state_dict_post_hook(optimizer_state_dict.optimizer_state_dict_post_hook)
     optimizer.register_load_state_dict_pre_hook(optimizer_state_dict.optimizer_load_state_dict_pre_hook)
     if stage >= 1:
-        ShardStep(optimizer, updating)
+        FlatShardUpdate(optimizer, updating)
     return optimizer
 
 
@@ -144,7 +144,7 @@ def _refuse_new_param_group(stage: int, param_group: dict) -> None:
     )
 
 
-class ShardStep:
+class FlatShardUpdate:
     """The optimizer of stages 1-3: its groups hold what the model holds (stage 1: the full parameters; stages 2, 3:
     the leaves, DTensors of the parameters' shapes), as torch's optimizers, LR schedulers, weight-decay rules and
     checkpoint functions expect (``get_state_dict`` names each state through ``model.named_parameters()``), while
@@ -163,11 +163,11 @@ class ShardStep:
 
     def __init__(self, outer: torch.optim.Optimizer, inner: torch.optim.Optimizer):
         self.outer, self.inner = outer, inner
-        self.pairs = [(p, m) for og, ig in zip(outer.param_groups, inner.param_groups)
-                      for p, m in zip(og["params"], ig["params"])]
+        self.pairs = [(p, flat) for og, ig in zip(outer.param_groups, inner.param_groups)
+                      for p, flat in zip(og["params"], ig["params"])]  # (what the model holds, its flat shard)
         self._loading: dict = {}
         self._held_aside: list[tuple[torch.Tensor, torch.Tensor]] = []  # (leaf, its gradient) during the outer update
-        setattr(outer, SHARD_STEP, self)
+        setattr(outer, FLAT_SHARD_UPDATE, self)
         inner.__dict__[STEPPED_BY] = self
         outer.register_step_pre_hook(self.step_shards)
         outer.register_step_post_hook(self.give_back_gradients)
@@ -213,28 +213,28 @@ class ShardStep:
     def after_update(self) -> None:
         # a flat shard's gradient lives from the reduce-scatter or hand-over to the update: the next step must not
         # see it again
-        for _, master in self.pairs:
-            master.grad = None
+        for _, flat in self.pairs:
+            flat.grad = None
         self.share_state()
 
     def share_state(self) -> None:
-        """``outer.state`` holds the inner optimizer's state dicts, each under the parameter of its master."""
-        for param, master in self.pairs:
-            state = self.inner.state.get(master)
+        """``outer.state`` holds the inner optimizer's state dicts, each under the parameter of its flat shard."""
+        for param, flat in self.pairs:
+            state = self.inner.state.get(flat)
             if state:
                 self.outer.state[param] = state
             else:
                 self.outer.state.pop(param, None)
 
-    def replace_state(self, state_of_master: dict) -> None:
+    def replace_state(self, state_of_flat: dict) -> None:
         self.inner.state.clear()
-        self.inner.state.update(state_of_master)
+        self.inner.state.update(state_of_flat)
         self.share_state()
         self.copy_hyperparameters()
 
     def _keep_laid_out(self, optimizer, state_dict: dict) -> None:
         saved_keys = [key for group in state_dict["param_groups"] for key in group["params"]]
-        self._loading = {master: state_dict["state"][key] for key, (_, master) in zip(saved_keys, self.pairs)
+        self._loading = {flat: state_dict["state"][key] for key, (_, flat) in zip(saved_keys, self.pairs)
                          if key in state_dict["state"]}
 
     def _load_into_shards(self, optimizer) -> None:

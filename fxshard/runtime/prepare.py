@@ -81,16 +81,16 @@ def grad_sync_of(model: nn.Module) -> GradSync:
     raise FxShardError("this model was not prepared; call backend.prepare(model, optimizer) first")
 
 # stages 1-3: the attribute of the optimizer prepare returned (over the model's parameters) holding its
-# fxshard.runtime.optim.ShardStep (an attribute, not a weak-keyed registry: the ShardStep refers to the optimizer)
-SHARD_STEP = "_fxshard_shard_step"
-STEPPED_BY = "_fxshard_stepped_by"  # attribute of that ShardStep's inner optimizer: the ShardStep
+# fxshard.runtime.optim.FlatShardUpdate (an attribute, not a weak-keyed registry: that refers to the optimizer)
+FLAT_SHARD_UPDATE = "_fxshard_flat_shard_update"
+STEPPED_BY = "_fxshard_stepped_by"  # attribute of its inner optimizer: the FlatShardUpdate
 
 
 def updating_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer whose update writes what this rank trains: at stages 1-3 the one over the flat shards (stage
     1: the fp32 masters) that the returned optimizer steps from its own step; at stage 0 the returned optimizer."""
-    shard_step = getattr(optimizer, SHARD_STEP, None)
-    return optimizer if shard_step is None else shard_step.inner
+    flat_shard_update = getattr(optimizer, FLAT_SHARD_UPDATE, None)
+    return optimizer if flat_shard_update is None else flat_shard_update.inner
 
 
 def steps_inside_another(optimizer: torch.optim.Optimizer) -> bool:
@@ -100,10 +100,10 @@ def steps_inside_another(optimizer: torch.optim.Optimizer) -> bool:
 
 def replace_updated_state(optimizer: torch.optim.Optimizer, state_of_updated: dict) -> None:
     """Make ``state_of_updated`` (keyed by what ``updating_optimizer`` updates) the optimizer's whole state: at
-    stages 1-3 through its ShardStep, which shares it with the returned optimizer's parameters."""
-    shard_step = getattr(optimizer, SHARD_STEP, None)
-    if shard_step is not None:
-        shard_step.replace_state(state_of_updated)
+    stages 1-3 through its FlatShardUpdate, which shares it with the returned optimizer's parameters."""
+    flat_shard_update = getattr(optimizer, FLAT_SHARD_UPDATE, None)
+    if flat_shard_update is not None:
+        flat_shard_update.replace_state(state_of_updated)
     else:
         optimizer.state.clear()
         optimizer.state.update(state_of_updated)
