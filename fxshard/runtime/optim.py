@@ -109,7 +109,7 @@ def shard_optimizer_over(
         updating = optimizer
         _regroup_in_place(optimizer, updated, state)
     step = ShardedStep(stage, list(leaves.values()), grad_sync, bucket_bytes)
-    grad_sync.settle = step.average_full_gradients if stage == 1 else step.settle_gradients
+    grad_sync.settle_with(step.average_full_gradients if stage == 1 else step.settle_gradients)
     setattr(updating, _SHARDED_STEP, step)
     updating.register_step_pre_hook(step.settle_gradients)
     updating.register_step_post_hook(step.publish_parameters)
@@ -489,12 +489,10 @@ def _total_norm_of_prepared_grads(tensors: list[torch.Tensor], norm_type: float)
     spec = spec_of(leaves[0])
     grad_sync = prepared_param(leaves[0]).grad_sync
     # stage 0 after no_sync, and stage 1 always: this rank's own gradients, averaged here as the step would
-    if grad_sync is not None and (grad_sync.local_grads_pending or spec.stage == 1):
-        if grad_sync.settle is None:
-            raise FxShardError(f"a stage-{spec.stage} model averages the gradients a norm reads in the step of its "
-                               "prepared optimizer, and this model was prepared without one: prepare it with its "
-                               "optimizer")
-        grad_sync.settle()
+    if grad_sync is not None and (grad_sync.local_grads_pending or spec.stage == 1) and not grad_sync.settle():
+        raise FxShardError(f"a stage-{spec.stage} model averages the gradients a norm reads in the step of its "
+                           "prepared optimizer, and this model was prepared without one: prepare it with its "
+                           "optimizer")
     return _global_grad_norm(leaves, norm_type)
 
 

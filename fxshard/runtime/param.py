@@ -38,13 +38,26 @@ _RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf, master, flat or r
 @dataclasses.dataclass
 class GradSync:
     """A stage-0 or stage-1 model's: whether backward averages gradients now (stage 0, not under ``no_sync``),
-    whether some were kept local since the last step, and ``settle``, set by the prepared optimizer, which makes the
-    full gradients this rank holds the averaged ones before the step, as a torch utility reading them needs (stage
-    0: the all-reduce ``no_sync`` left pending; stage 1: an all-reduce of the gradients the step reduce-scatters)."""
+    whether some were kept local since the last step, and how the prepared optimizer makes the full gradients this
+    rank holds the averaged ones before the step, as a torch utility reading them needs (stage 0: the all-reduce
+    ``no_sync`` left pending; stage 1: an all-reduce of the gradients the step reduce-scatters). That method is
+    held weakly: the optimizer owns its step, and the registry's records, which hold this, must not keep it (and
+    through it the parameters) alive."""
 
     enabled: bool = True
     local_grads_pending: bool = False
-    settle: Callable[[], None] | None = None
+    _settle: weakref.WeakMethod | None = None
+
+    def settle_with(self, method: Callable[[], None]) -> None:
+        self._settle = weakref.WeakMethod(method)
+
+    def settle(self) -> bool:
+        """Average the gradients as the prepared optimizer's step would; False where no prepared optimizer is."""
+        method = None if self._settle is None else self._settle()
+        if method is None:
+            return False
+        method()
+        return True
 
 
 @dataclasses.dataclass(eq=False)
