@@ -10,6 +10,8 @@ import fxshard
 import scenarios
 from fxshard import budget
 from fxshard.report.wire import sent_during
+from fxshard.runtime.prepare import grad_sync_of
+from fxshard.runtime.step_clock import FORWARD
 from examples.models import GPTConfig, pattern_batch
 from fxshard.testing import rank_and_world
 from fxshard.torch_compat import c10d_functional, resolve_group
@@ -57,13 +59,16 @@ def step_on_the_wire(steps: int = WARM_STEPS + 1, **options) -> dict:
                 continue
             sent[name] = sent_during(work)
         losses.append(state["loss"].item())
+    # one check of the step clock, bookkeeping outside the ledger's data collectives: a step runs two (its
+    # forward's, its optimizer step's)
+    clock_check_sent = sent_during(lambda: grad_sync_of(model).clock.check(FORWARD))
     ledger = budget.ledger(backend)
     by_group = {str(g): ledger.at(ledger.communicated(moved=True, ranks=g))
                 for g in (budget.N, budget.R, budget.T, budget.K) if any(t.ranks == g for t in ledger.select("comm"))}
     by_kind = {kind: ledger.at(ledger.communicated(kind, moved=True)) for kind in ("all_gather", "reduce_scatter")}
     backward_gathers = [n.args[-1] for r in backend.graphs if r.kind == "backward" for n in r.final.graph.nodes
                         if n.target is c10d_functional.all_gather_into_tensor.default]
-    return {"losses": losses, "final": scenarios.full_state(model), "sent": sent,
+    return {"losses": losses, "final": scenarios.full_state(model), "sent": sent, "clock_check_sent": clock_check_sent,
             "ledger_sent": ledger.at(ledger.communicated(moved=True)), "ledger_by_group": by_group,
             "ledger_by_kind": by_kind, "calls": {kind: ledger.calls(kind) for kind in ("all_gather", "reduce_scatter")},
             "backward_gather_ranks": sorted({tuple(dist.get_process_group_ranks(resolve_group(name)))

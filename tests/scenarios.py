@@ -921,3 +921,29 @@ def decay_groups_by_ndim(stage: int, steps: int = 3) -> dict:
     return {"initial": initial, "final": full_state(model), "expected": reference.state_dict(), "decayed": decayed,
             "expected_decayed": sorted(n for n, p in reference.named_parameters() if p.ndim >= 2),
             "grads_shaped": grads_shaped, "grad_norms": grad_norms, "reference_grad_norms": reference_grad_norms}
+
+
+def skip_a_step_on_one_rank(stage: int, build_optimizer_after_prepare: bool = False, steps: int = 3) -> dict:
+    """Train the MLP where rank 1 skips ``optimizer.step()`` in step 1 (as a script that steps only when its own
+    loss looks finite would); returns the step each rank raised in and its FxShardError, or no step. At stages 0
+    and 3 the optimizer may be built after prepare (``build_optimizer_after_prepare``), as FSDP2 scripts do."""
+    rank, _ = rank_and_world()
+    model = build_model("mlp")
+    backend = fxshard.backend(compiler="eager", stage=stage)
+    if build_optimizer_after_prepare:
+        model, _ = backend.prepare(model)
+        opt = make_optimizer("sgd", model.parameters())
+    else:
+        model, opt = backend.prepare(model, make_optimizer("sgd", model.parameters()))
+    run = torch.compile(model, backend=backend)
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        try:
+            inputs, targets = global_batch("mlp", PER_RANK_BATCH, generator)
+            F.mse_loss(run(inputs), targets).backward()
+            if (rank, step) != (1, 1):
+                opt.step()
+            opt.zero_grad()
+        except fxshard.FxShardError as error:
+            return {"step": step, "error": str(error)}
+    return {"step": None}

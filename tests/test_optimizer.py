@@ -381,6 +381,16 @@ def test_a_stage_1_state_dict_loads_in_the_masters_precision():
             assert updating_optimizer(fresh_opt).state[prepared_param(fresh).master] is loaded  # the update reads what loaded
 
 
+@pytest.mark.parametrize("stage, built_after_prepare", [(0, False), (1, False), (2, False), (3, False), (3, True)])
+def test_a_rank_that_skips_a_step_is_named_where_the_ranks_next_meet(pools, stage, built_after_prepare):
+    # without the check: stages 0 and 3 train on silently apart, stages 1 and 2 meet mismatched collectives
+    stepping, skipping = pools(2).run(scenarios.skip_a_step_on_one_rank, stage, built_after_prepare)
+    assert stepping["step"] == 1 and skipping["step"] == 2  # rank 0 in step 1's optimizer.step(), rank 1 in step 2
+    assert stepping["error"] == skipping["error"]
+    assert ("rank 0 starts optimizer.step() after 1 optimizer step; rank 1 starts a forward pass after 1 optimizer "
+            "step") in stepping["error"]
+
+
 @pytest.mark.parametrize("scaler", ["GradScaler", "ShardedGradScaler"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_an_overflow_in_one_ranks_gradients_skips_the_step_on_every_rank(pools, stage, scaler):

@@ -29,6 +29,7 @@ from fxshard.runtime.optim import (
     shard_optimizer_over,
 )
 from fxshard.runtime.param import prepared_param, spec_of
+from fxshard.runtime.step_clock import FORWARD, StepClock
 from fxshard.runtime.prepare import (
     grad_sync_of,
     shard_parameters,
@@ -358,7 +359,10 @@ class Backend:
         compiled = inductor.compile(kind, gm, example_inputs) if inductor else make_boxed_func(gm.forward)
         # Before the graph first runs, every rank must have compiled the same collectives (fxshard.compiler.consistency).
         check_same_schedule(gm, kind, graph_id, self._check_group_name or context.group_name)
-        return explaining_peer_failures(compiled, f"the {kind} graph")
+        compiled = explaining_peer_failures(compiled, f"the {kind} graph")
+        if kind != "forward" or self.model is None:  # (an inference graph runs without gradients: no step to miss)
+            return compiled
+        return _checking_steps_first(compiled, grad_sync_of(self.model).clock)
 
     # -- reporting ----------------------------------------------------------------------------------------------
     def report(self, format: str = "text", measured=None) -> str:
@@ -396,6 +400,18 @@ class Backend:
         timeline = simulate(self, world or sharded_over or dist.get_world_size(self.group), machine=machine)
         write_chrome_trace(timeline, path)
         return timeline
+
+
+def _checking_steps_first(compiled, clock: StepClock):
+    """``compiled``, a training forward, after checking that every rank has taken as many optimizer steps as this
+    one (``fxshard.runtime.step_clock``)."""
+
+    @functools.wraps(compiled)
+    def run(*args):
+        clock.check(FORWARD)
+        return compiled(*args)
+
+    return run
 
 
 def backend_of(model: nn.Module) -> Backend:

@@ -52,6 +52,7 @@ from torch import fx
 
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import COLLECTIVE_ROLES, marker_args, replica_ranks
+from fxshard.runtime.groups import compares_peers
 from fxshard.torch_compat import OpOverload, default_store, resolve_group
 
 GRAPH_KINDS = ("forward", "backward", "inference")
@@ -152,17 +153,13 @@ def first_difference(kinds: list[str], schedules: list[list[ScheduledCollective]
     return "their schedules are equal"
 
 
-def _needs_check(group: dist.ProcessGroup) -> bool:
-    return dist.get_world_size(group) > 1 and dist.get_backend(group) != "fake"
-
-
 def prepare_check_group(group_name: str, timeout_s: float) -> None:
     """Check the graphs whose collectives name ``group_name`` from now on, waiting ``timeout_s`` for peers in each
     check. Nothing for one rank or the fake group. Local: no communication."""
     if not group_name or _checked(group_name) is not None:
         return
     group = resolve_group(group_name)
-    if _needs_check(group):
+    if compares_peers(group):
         _CHECKED[group_name] = _CheckedGroup(group, timeout_s)
 
 

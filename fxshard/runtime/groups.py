@@ -96,6 +96,12 @@ def secondary_group(shard_group, size: int, timeout_s: float) -> tuple[str, int]
     return group.group_name, members.index(dist.get_rank())  # a group's gathers stack its ranks in this order
 
 
+def compares_peers(group) -> bool:
+    """Whether ``group`` has peers to compare this rank with: more than one rank, and not the single-process
+    ``fake`` group of ``fxshard.testing``, whose collectives return no peer's data."""
+    return dist.get_world_size(group) > 1 and dist.get_backend(group) != "fake"
+
+
 def gloo_worker_threads(group_name: str) -> int | None:
     """How many worker threads the gloo backend of the group named ``group_name`` runs (None: not gloo)."""
     return gloo_threads(resolve_group(group_name))

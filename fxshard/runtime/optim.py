@@ -33,8 +33,9 @@ from .groups import peer_failures_explained
 from .layout import flat_shard, full_from_value, gather_full, global_of
 from .ops import cast_to, flat_padded, reduce_scatter_mean
 from .param import GradSync, prepared_leaves, prepared_param, replaced_by, spec_of
-from .prepare import FLAT_SHARD_UPDATE, STEPPED_BY, replace_updated_state, updating_optimizer
+from .prepare import FLAT_SHARD_UPDATE, STEPPED_BY, replace_updated_state, steps_inside_another, updating_optimizer
 from .sharding import ShardSpec, pack_greedily, shard_of, unpad
+from .step_clock import INF_CHECK, NORM
 
 _SHARDED_STEP = "_fxshard_sharded_step"  # attribute of the optimizers prepare returns: their ShardedStep
 
@@ -387,12 +388,11 @@ def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
         for param in group["params"]:
             spec = spec_of(param)
             record = prepared_param(param)
-            grad_sync = record.grad_sync if record is not None else None
             if replaced_by(param) is not None:
                 problem = f"a parameter that prepare replaced by its shard ({record.spec.name})"
             elif spec is not None and spec.stage in (1, 2):
                 problem = f"{spec.name}, whose stage-{spec.stage} communication runs in the optimizer's step"
-            elif grad_sync is not None and grad_sync.local_grads_pending:
+            elif record is not None and record.grad_sync.local_grads_pending:
                 problem = f"{spec.name}, whose gradients no_sync kept local until the step"
             else:
                 continue
@@ -406,6 +406,21 @@ def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
 register_optimizer_step_pre_hook(_refuse_foreign_optimizer)
 
 
+def _count_the_step(optimizer, args, kwargs) -> None:
+    """A step over a prepared model's parameters (by the optimizer prepare returned, or at stages 0 and 3 one built
+    over the model after prepare) is checked against the other ranks' and counted by the model's ``StepClock``. The
+    optimizer over the flat shards that a returned one steps from its own step takes no step of its own."""
+    if torch.compiler.is_compiling() or steps_inside_another(optimizer):
+        return
+    record = next((r for group in optimizer.param_groups for p in group["params"]
+                   if (r := prepared_param(p)) is not None), None)
+    if record is not None:
+        record.grad_sync.clock.step()
+
+
+register_optimizer_step_pre_hook(_count_the_step)
+
+
 @torch.no_grad()
 def _agree_on_found_inf(optimizer: torch.optim.Optimizer, found_inf_per_device: dict) -> None:
     """A plain ``torch.amp.GradScaler`` flags inf/NaN in the gradients this rank holds: at stages 1-3 (and stage 0
@@ -416,6 +431,7 @@ def _agree_on_found_inf(optimizer: torch.optim.Optimizer, found_inf_per_device: 
     step = getattr(optimizer, _SHARDED_STEP, None)
     if step is None or not found_inf_per_device or not step.leaves:
         return
+    step.grad_sync.clock.check(INF_CHECK)
     flags = list(found_inf_per_device.values())
     group = spec_of(step.leaves[0]).all_ranks_group_name
     with peer_failures_explained("GradScaler's inf/NaN check"):
@@ -434,6 +450,7 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     averaged gradient, the same on every rank (a collective: every rank must call it), and every gradient scaled by
     ``min(1, max_norm / norm)``. Call it between backward and ``optimizer.step()``."""
     step = sharded_step_of(optimizer)
+    step.grad_sync.clock.check(NORM)
     step.settle_gradients()
     # where the averaged gradients are now: stage 1's masters (the reduce-scatter freed the full ones), else what the
     # model holds (stages 2, 3: the leaves; their flat shards get theirs at the step)
@@ -488,8 +505,9 @@ def _total_norm_of_prepared_grads(tensors: list[torch.Tensor], norm_type: float)
         )
     spec = spec_of(leaves[0])
     grad_sync = prepared_param(leaves[0]).grad_sync
+    grad_sync.clock.check(NORM)
     # stage 0 after no_sync, and stage 1 always: this rank's own gradients, averaged here as the step would
-    if grad_sync is not None and (grad_sync.local_grads_pending or spec.stage == 1) and not grad_sync.settle():
+    if (grad_sync.local_grads_pending or spec.stage == 1) and not grad_sync.settle():
         raise FxShardError(f"a stage-{spec.stage} model averages the gradients a norm reads in the step of its "
                            "prepared optimizer, and this model was prepared without one: prepare it with its "
                            "optimizer")

@@ -9,8 +9,8 @@ for it, found from any of them by ``prepared_param``.
 - ``updated``: what the optimizer's update writes: stage 1's ``master``, stages 2-3's ``flat``, stage 0's leaf;
 - ``full_copy``: what forward reads of ``updated``, refreshed after each step: stage 1's leaf, stage 2's
   ``resident`` buffer, else none;
-- ``grad_sync``: stages 0 and 1: whether backward averages gradients now (``no_sync``), and how the full gradients
-  this rank holds become the averaged ones before the step.
+- ``grad_sync``: its model's: whether backward averages gradients now (stage 0's ``no_sync``), how the full
+  gradients this rank holds become the averaged ones before the step (stages 0, 1), and the model's step clock.
 
 A parameter that ``prepare`` replaced (by its shard; under tensor parallelism, by the leaf of its DTensor's local
 piece) finds the record too: ``replaced_by`` names its leaf.
@@ -31,21 +31,23 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .sharding import ShardSpec
+from .step_clock import StepClock
 
 _RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf, master, flat or replaced parameter -> its record
 
 
 @dataclasses.dataclass
 class GradSync:
-    """A stage-0 or stage-1 model's: whether backward averages gradients now (stage 0, not under ``no_sync``),
-    whether some were kept local since the last step, and how the prepared optimizer makes the full gradients this
-    rank holds the averaged ones before the step, as a torch utility reading them needs (stage 0: the all-reduce
-    ``no_sync`` left pending; stage 1: an all-reduce of the gradients the step reduce-scatters). That method is
-    held weakly: the optimizer owns its step, and the registry's records, which hold this, must not keep it (and
-    through it the parameters) alive."""
+    """A prepared model's: whether backward averages gradients now (stage 0, not under ``no_sync``), whether some
+    were kept local since the last step, and how the prepared optimizer makes the full gradients this rank holds the
+    averaged ones before the step, as a torch utility reading them needs (stage 0: the all-reduce ``no_sync`` left
+    pending; stage 1: an all-reduce of the gradients the step reduce-scatters). That method is held weakly: the
+    optimizer owns its step, and the registry's records, which hold this, must not keep it (and through it the
+    parameters) alive. ``clock`` counts the model's optimizer steps and checks that every rank took the same."""
 
     enabled: bool = True
     local_grads_pending: bool = False
+    clock: StepClock = dataclasses.field(default_factory=lambda: StepClock("", torch.device("cpu")))
     _settle: weakref.WeakMethod | None = None
 
     def settle_with(self, method: Callable[[], None]) -> None:

@@ -54,6 +54,7 @@ from .materialise import InitFn, born_on_meta, default_device, materialise_unit_
 from .ops import unshard
 from .param import GradSync, prepared_param, register, register_replaced, spec_of
 from .sharding import ShardSpec, shard_of
+from .step_clock import StepClock
 from .tensor_parallel import (
     TensorParallel,
     as_tensor_parallel,
@@ -310,8 +311,7 @@ def _lay_out(param: nn.Parameter, spec: ShardSpec, grad_sync: GradSync,
         if flat.requires_grad:
             flat.register_post_accumulate_grad_hook(_hand_gradient_to(weakref.ref(leaf), spec))
         kept["flat"] = flat
-    if spec.stage <= 1:
-        kept["grad_sync"] = grad_sync
+    kept["grad_sync"] = grad_sync
     if spec.stage == 1:  # the optimizer updates a flat shard in the parameter's own precision
         kept["master"] = nn.Parameter(shard_of(param, spec), requires_grad=param.requires_grad)
         if spec.param_dtype is not None:
@@ -412,6 +412,9 @@ def shard_parameters(
         _broadcast_from_first_rank(model, synced_over)
         for key, (param, spec) in specs.items():
             leaves[key], reads[key] = _lay_out(local_parameter(param), spec, grad_sync)
+    if leaves:  # its steps are compared over every rank that holds a piece of it, on its tensors' device
+        first = next(iter(leaves.values()))
+        grad_sync.clock = StepClock(spec_of(first).all_ranks_group_name, local_tensor(first).device)
     for path, module in model.named_modules(remove_duplicate=False):
         owned = {n: p for n, p in module._parameters.items() if p is not None}
         if not owned or hasattr(module, _SPECS):
