@@ -99,7 +99,7 @@ def test_a_parameter_frozen_after_prepare_gets_no_gradient_and_no_update(stage):
         assert torch.equal(frozen.detach(), before)
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])  # (stage 1's record owns its master: kept alive, a known leak)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_dropped_prepared_model_and_optimizer_free_their_tensors(stage):
     import gc
     import weakref
@@ -109,7 +109,9 @@ def test_a_dropped_prepared_model_and_optimizer_free_their_tensors(stage):
         backend = fxshard.backend(compiler="eager", stage=stage)
         model, opt = backend.prepare(model, torch.optim.AdamW(model.parameters()))
         leaf = model.fc1._parameters["weight"]
-        held = [weakref.ref(t) for t in (leaf, prepared_param(leaf).flat) if t is not None]
+        record = prepared_param(leaf)
+        held = [weakref.ref(t) for t in (leaf, record.flat, record.master) if t is not None]
+        del record
         del model, opt, leaf, backend
         gc.collect()
         assert [ref() for ref in held] == [None] * len(held)

@@ -76,10 +76,13 @@ def _names_from_model(model) -> dict[tuple, str]:
     by_id: dict[int, list[str]] = {}
     for site, param in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(site)
+    from fxshard.runtime.param import module_record
+
     for module_path, module in model.named_modules(remove_duplicate=False):
-        for attr, spec in getattr(module, "_fxshard_specs", {}).items():
+        laid_out = module_record(module)
+        for attr, record in ({} if laid_out is None else laid_out.params).items():
             site = f"{module_path}.{attr}" if module_path else attr
-            names[(site,)] = spec.name
+            names[(site,)] = record.spec.name
     for sites in by_id.values():
         for site in sites:
             names.setdefault((site,), sites[0])

@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.errors import FxShardError
 from fxshard.runtime.optimizer_state_dict import updated_tensors
-from fxshard.runtime.param import spec_of
-from fxshard.runtime.prepare import _SPECS
+from fxshard.runtime.param import module_record, spec_of
+from fxshard.runtime.prepare import is_prepared
 from fxshard.torch_compat import flatten_optimizer_state_dict, resolve_group
 
 
@@ -29,7 +29,7 @@ def prepared_module(model: nn.Module) -> nn.Module:
     """The module ``prepare`` returned, also when given its ``torch.compile`` wrapper (whose keys carry
     ``_orig_mod.``)."""
     module = getattr(model, "_orig_mod", model)
-    if not any(hasattr(m, _SPECS) for m in module.modules()):
+    if not is_prepared(module):
         raise FxShardError("this model was not prepared; call backend.prepare(model, optimizer) first")
     return module
 
@@ -88,7 +88,8 @@ def _consolidated(state_dict: dict, options: StateDictOptions, group) -> dict:
 def checkpoint_group(module: nn.Module):
     """Every rank that holds a piece of the model: its shard group, or on a hybrid mesh all of the mesh (each
     replica group writes the same rows; DCP keeps one copy)."""
-    spec = next(iter(getattr(next(m for m in module.modules() if hasattr(m, _SPECS)), _SPECS).values()))
+    spec = next(record.spec for m in module.modules() if (laid_out := module_record(m)) is not None
+                for record in laid_out.params.values())
     return resolve_group(spec.all_ranks_group_name)
 
 
@@ -154,10 +155,10 @@ def _expected_model_entries(module: nn.Module) -> dict[str, tuple[int, ...]]:
     entries: dict[str, tuple[int, ...]] = {}
 
     def visit(mod: nn.Module, prefix: str) -> None:
-        specs = getattr(mod, _SPECS, {})
+        records = laid_out.params if (laid_out := module_record(mod)) is not None else {}
         for name, param in mod._parameters.items():
             if param is not None:
-                entries[prefix + name] = specs[name].global_shape if name in specs else tuple(param.shape)
+                entries[prefix + name] = records[name].spec.global_shape if name in records else tuple(param.shape)
         for name, buffer in mod._buffers.items():
             if buffer is not None and name not in mod._non_persistent_buffers_set:
                 entries[prefix + name] = tuple(buffer.shape)

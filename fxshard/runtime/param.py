@@ -15,9 +15,10 @@ for it, found from any of them by ``prepared_param``.
 A parameter that ``prepare`` replaced (by its shard; under tensor parallelism, by the leaf of its DTensor's local
 piece) finds the record too: ``replaced_by`` names its leaf.
 
-The registry holds the leaf and the flat shard weakly (the model owns them: its ``_parameters`` and the owning
-module's ``__dict__``) and a stage-1 master strongly (the record owns it, as FSDP2's ``FSDPParam`` owns its
-sharded parameter).
+Each module that owns parameters keeps one ``ModuleRecord`` (``module_record``): its name in the prepared model,
+the record of each parameter it owns, and the model's ``GradSync``. The module owns its records, and each record
+owns its tensors (as FSDP2's ``FSDPParam`` owns its sharded parameter); the registry that finds a record from a
+tensor holds both weakly, so a dropped model frees everything prepare made for it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .sharding import ShardSpec
 from .step_clock import StepClock
 
-_RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf, master, flat or replaced parameter -> its record
+# leaf, master, flat or replaced parameter -> a weak reference to its record (a record refers to its tensors: held
+# strongly, a value would keep its own key alive)
+_RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_MODULE_RECORD = "_fxshard"  # the module __dict__ key of its ModuleRecord
 
 
 @dataclasses.dataclass
@@ -65,19 +69,11 @@ class GradSync:
 @dataclasses.dataclass(eq=False)
 class PreparedParam:
     spec: ShardSpec
-    _leaf: weakref.ref
+    leaf: nn.Parameter
+    grad_sync: GradSync
+    flat: nn.Parameter | None = None
     master: nn.Parameter | None = None
     resident: torch.Tensor | None = None
-    grad_sync: GradSync | None = None
-    _flat: weakref.ref | None = None
-
-    @property
-    def flat(self) -> nn.Parameter | None:
-        return None if self._flat is None else self._flat()
-
-    @property
-    def leaf(self) -> nn.Parameter | None:
-        return self._leaf()
 
     @property
     def updated(self) -> torch.Tensor:
@@ -93,14 +89,23 @@ class PreparedParam:
         return tensor is self.leaf or tensor is self.master or tensor is self.flat
 
 
-def register(leaf: nn.Parameter, spec: ShardSpec, flat: nn.Parameter | None = None, **tensors) -> PreparedParam:
-    """The record of a leaf prepare laid out under ``spec``, with its flat shard, master, resident copy or
-    GradSync."""
-    record = PreparedParam(spec, weakref.ref(leaf), _flat=None if flat is None else weakref.ref(flat), **tensors)
-    _RECORDS[leaf] = record
-    for kept in (record.master, record.flat):
-        if kept is not None:
-            _RECORDS[kept] = record
+@dataclasses.dataclass(eq=False)
+class ModuleRecord:
+    """What prepare keeps on a module that owns parameters: its qualified name in the prepared model (``path``), the
+    record of each parameter it owns, by attribute name (a tied parameter's record is its owners' alike), and its
+    model's GradSync."""
+
+    path: str
+    params: dict[str, PreparedParam]
+    grad_sync: GradSync
+
+
+def register(record: PreparedParam) -> PreparedParam:
+    """Make ``record`` found from its leaf, flat shard and master; whoever keeps it alive (its modules'
+    ``ModuleRecord``) keeps it found."""
+    for tensor in (record.leaf, record.flat, record.master):
+        if tensor is not None:
+            _RECORDS[tensor] = weakref.ref(record)
     return record
 
 
@@ -109,26 +114,37 @@ def register_replaced(original: torch.Tensor, leaf: nn.Parameter) -> None:
     _RECORDS[original] = _RECORDS[leaf]
 
 
+def attach(module: nn.Module, record: ModuleRecord) -> None:
+    module.__dict__[_MODULE_RECORD] = record
+
+
+def module_record(module: nn.Module) -> ModuleRecord | None:
+    """The ModuleRecord of a module whose parameters prepare laid out, else None."""
+    return module.__dict__.get(_MODULE_RECORD)
+
+
 def prepared_param(tensor: torch.Tensor) -> PreparedParam | None:
     """The record of the parameter ``tensor`` is (its leaf, its master, or the parameter prepare replaced)."""
-    return _RECORDS.get(tensor)
+    ref = _RECORDS.get(tensor)
+    return None if ref is None else ref()
 
 
 def spec_of(tensor: torch.Tensor) -> ShardSpec | None:
     """The ShardSpec of a leaf laid out by ``prepare`` (or of a stage-1 master, a stage-2/3 flat shard), or None for
     any other tensor."""
-    record = _RECORDS.get(tensor)
+    record = prepared_param(tensor)
     return record.spec if record is not None and record.is_laid_out(tensor) else None
 
 
 def replaced_by(tensor: torch.Tensor) -> nn.Parameter | None:
     """The leaf that took the place of ``tensor``, a parameter prepare replaced; None for any other tensor."""
-    record = _RECORDS.get(tensor)
+    record = prepared_param(tensor)
     return record.leaf if record is not None and not record.is_laid_out(tensor) else None
 
 
 def prepared_leaves() -> Iterator[nn.Parameter]:
     """Every live leaf prepare laid out, in any model of this process."""
-    for tensor, record in list(_RECORDS.items()):
-        if tensor is record.leaf:
+    for tensor, ref in list(_RECORDS.items()):
+        record = ref()
+        if record is not None and tensor is record.leaf:
             yield tensor

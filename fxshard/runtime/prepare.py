@@ -52,7 +52,17 @@ from .layout import (
 )
 from .materialise import InitFn, born_on_meta, default_device, materialise_unit_by_unit, share_random_state
 from .ops import unshard
-from .param import GradSync, prepared_param, register, register_replaced, spec_of
+from .param import (
+    GradSync,
+    ModuleRecord,
+    PreparedParam,
+    attach,
+    module_record,
+    prepared_param,
+    register,
+    register_replaced,
+    spec_of,
+)
 from .sharding import ShardSpec, shard_of
 from .step_clock import StepClock
 from .tensor_parallel import (
@@ -65,20 +75,14 @@ from .tensor_parallel import (
     tensor_parallel_layouts,
 )
 
-_SPECS = "_fxshard_specs"  # module attribute: {parameter attribute name: ShardSpec}
-_PATH = "_fxshard_path"  # module attribute: the module's qualified name in the prepared model
 _RESIDENT = "_fxshard_full_"  # buffer name prefix of a stage-2 parameter's resident full copy
-# module __dict__ key prefix (no registered parameter or buffer): (the leaf, what graphs read of it: the leaf, or at
-# stages 2 and 3 its flat shard)
-_LAID_OUT = "_fxshard_laid_out_"
-_GRAD_SYNC = "_fxshard_grad_sync"  # module attribute: the model's GradSync
 _UNITS = "_fxshard_units"  # the prepared model's attribute, born on meta: {unit: parameter elements materialised}
 
 
 def grad_sync_of(model: nn.Module) -> GradSync:
     for module in model.modules():
-        if hasattr(module, _GRAD_SYNC):
-            return getattr(module, _GRAD_SYNC)
+        if (record := module_record(module)) is not None:
+            return record.grad_sync
     raise FxShardError("this model was not prepared; call backend.prepare(model, optimizer) first")
 
 # stages 1-3: the attribute of the optimizer prepare returned (over the model's parameters) holding its
@@ -128,14 +132,15 @@ def materialised_units(model: nn.Module) -> dict[str, int]:
 
 
 def is_prepared(model: nn.Module) -> bool:
-    return any(hasattr(m, _SPECS) for m in model.modules())
+    return any(module_record(m) is not None for m in model.modules())
 
 
 def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
     local = module._parameters[name]
-    spec = getattr(module, _SPECS)[name]
-    leaf, read = module.__dict__[_LAID_OUT + name]
-    if local is not leaf:
+    laid_out = module_record(module)
+    record = laid_out.params[name]
+    spec = record.spec
+    if local is not record.leaf:
         if not torch.compiler.is_compiling():
             raise FxShardError(
                 f"{spec.name} was replaced after prepare (it now has shape "
@@ -146,12 +151,13 @@ def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
     if spec.stage == 1:  # read directly: an accessor only wraps a tensor-parallel piece
         full = local
     else:
-        fqn = f"{getattr(module, _PATH)}.{name}" if getattr(module, _PATH) else name
+        fqn = f"{laid_out.path}.{name}" if laid_out.path else name
         resident = module._buffers.get(_RESIDENT + name)  # (read before the flat shard: the graph's input order)
-        if read is not leaf and not leaf.requires_grad:  # frozen after prepare: its flat shard gets no gradient
+        read = local if record.flat is None else record.flat  # what the collectives move: stages 2, 3's flat shard
+        if read is not local and not local.requires_grad:  # frozen after prepare: its flat shard gets no gradient
             read = read.detach()
         grad_reduction = spec.grad_reduction
-        if spec.stage == 0 and not getattr(module, _GRAD_SYNC).enabled:  # Dynamo guards on it: a graph per setting
+        if spec.stage == 0 and not laid_out.grad_sync.enabled:  # Dynamo guards on it: a graph per setting
             grad_reduction = "none"
         full = unshard(read, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, grad_reduction,
                        spec.param_dtype, spec.reduce_dtype, spec.replicate_size, spec.replicate_group_name)
@@ -192,16 +198,16 @@ _STATE_DICT_IS_COLLECTIVE = (
 
 def _state_dict_values(module, state_dict, prefix, local_metadata):
     with peer_failures_explained(_STATE_DICT_IS_COLLECTIVE):
-        for name, spec in getattr(module, _SPECS).items():
+        for name, record in module_record(module).params.items():
             if prefix + name in state_dict:
-                state_dict[prefix + name] = _saved_value(module._parameters[name], spec)
+                state_dict[prefix + name] = _saved_value(module._parameters[name], record.spec)
 
 
 def _load_state_dict_shard(module, state_dict, prefix, *args):
     """Each value (a full tensor, or a DTensor of any layout) becomes what this rank keeps: its shard of the leaf
     (stages 2, 3), the full parameter and its master shard (stage 1), the full parameter (stage 0)."""
-    for name, spec in getattr(module, _SPECS).items():
-        key = prefix + name
+    for name, record in module_record(module).params.items():
+        spec, key = record.spec, prefix + name
         if key not in state_dict:
             continue
         value, param = state_dict[key], module._parameters[name]
@@ -230,11 +236,11 @@ def _refuse_conversion(module: nn.Module, fn, recurse: bool = True):
     is refused before any tensor changes. A conversion that changes no parameter (``.to()`` the dtype and device
     it already has) converts the buffers only: a DTensor leaf cannot be swapped in place (torch's ``_apply`` would
     try)."""
-    prepared = [(m, name) for m in module.modules() for name in getattr(m, _SPECS, {})]
+    prepared = [(m, name) for m in module.modules() if module_record(m) is not None for name in module_record(m).params]
     changed = next(((m, name) for m, name in prepared
                     if m._parameters[name] is not None and fn(m._parameters[name]) is not m._parameters[name]), None)
     if changed is not None:
-        spec = getattr(changed[0], _SPECS)[changed[1]]
+        spec = module_record(changed[0]).params[changed[1]].spec
         raise FxShardError(
             f"converting a prepared stage-{spec.stage} model ({spec.name} and the rest: .to(), .double(), .cuda() "
             "...) would leave the tensors the optimizer and the collectives write into behind, and training would "
@@ -299,10 +305,10 @@ def _hand_gradient_to(leaf_ref: weakref.ref, spec: ShardSpec):
 
 
 def _lay_out(param: nn.Parameter, spec: ShardSpec, grad_sync: GradSync,
-             shard: torch.Tensor | None = None) -> tuple[nn.Parameter, nn.Parameter]:
-    """The trainable leaf of ``param`` under ``spec``, registered with the tensors around it by stage, and what the
-    graphs read of it (the leaf, or at stages 2 and 3 its flat shard, which the record holds weakly: the caller
-    keeps it); ``shard``: where a flat shard's values go (default: a new tensor)."""
+             shard: torch.Tensor | None = None) -> PreparedParam:
+    """The record of ``param`` laid out under ``spec``: its trainable leaf and the tensors around it by stage,
+    registered (the caller keeps the record alive: its modules will own it); ``shard``: where a flat shard's values
+    go (default: a new tensor)."""
     kept = {}
     leaf = param
     if spec.trains_shard:
@@ -311,17 +317,16 @@ def _lay_out(param: nn.Parameter, spec: ShardSpec, grad_sync: GradSync,
         if flat.requires_grad:
             flat.register_post_accumulate_grad_hook(_hand_gradient_to(weakref.ref(leaf), spec))
         kept["flat"] = flat
-    kept["grad_sync"] = grad_sync
     if spec.stage == 1:  # the optimizer updates a flat shard in the parameter's own precision
         kept["master"] = nn.Parameter(shard_of(param, spec), requires_grad=param.requires_grad)
         if spec.param_dtype is not None:
             param.data = param.data.to(spec.param_dtype)
     elif spec.stage == 2:  # the full storage stays on as the resident copy, in the compute dtype
         kept["resident"] = param.detach().to(spec.param_dtype or param.dtype)
-    register(leaf, spec, **kept)
+    record = register(PreparedParam(spec, leaf, grad_sync, **kept))
     if leaf is not param:
         register_replaced(param, leaf)
-    return leaf, kept.get("flat", leaf)
+    return record
 
 
 def _specs_by_parameter(model: nn.Module, spec_for) -> dict[int, tuple[nn.Parameter, ShardSpec]]:
@@ -365,7 +370,6 @@ def shard_parameters(
         raise FxShardError("this model is already prepared; call backend.prepare once per model")
     tensor_parallel = tensor_parallel_layouts(model, mesh, collective_timeout_s)
     grad_sync = GradSync()
-    model.__dict__[_GRAD_SYNC] = grad_sync
     group = _resolve_group(group)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     group_name = collective_group(group, collective_timeout_s).group_name
@@ -381,8 +385,7 @@ def shard_parameters(
     specs = _specs_by_parameter(model, lambda name, param: ShardSpec(
         name, tuple(local_tensor(param).shape), world_size, rank, group_name, stage, param_dtype, reduce_dtype,
         **replicas, tensor_parallel=tensor_parallel.get(id(param))))
-    leaves: dict[int, nn.Parameter] = {}
-    reads: dict[int, nn.Parameter] = {}  # what the graphs read of each (owned, at stages 2 and 3, by its modules)
+    records: dict[int, PreparedParam] = {}  # (kept alive here until the modules that own them take them)
     if born_on_meta(model):
         device = torch.device(device) if device is not None else default_device(group)
         # under tensor parallelism every rank initialises each parameter whole and keeps its tp piece: all alike
@@ -396,10 +399,9 @@ def shard_parameters(
             spec = specs[id(meta)][1]
             if spec.tensor_parallel is not None:  # initialised whole, as one process would: this tp rank's piece
                 full = local_value(full, spec.tensor_parallel).clone()  # (a view would keep the whole alive)
-            leaf, reads[id(meta)] = _lay_out(nn.Parameter(full, requires_grad=meta.requires_grad), spec, grad_sync,
-                                             shards.pop(id(meta), None))
-            leaves[id(meta)] = leaf
-            register_replaced(meta, leaf)
+            records[id(meta)] = _lay_out(nn.Parameter(full, requires_grad=meta.requires_grad), spec, grad_sync,
+                                         shards.pop(id(meta), None))
+            register_replaced(meta, records[id(meta)].leaf)
 
         model.__dict__[_UNITS] = materialise_unit_by_unit(model, param_init_fn, keep, device, init_units)
     else:
@@ -411,30 +413,27 @@ def shard_parameters(
             )
         _broadcast_from_first_rank(model, synced_over)
         for key, (param, spec) in specs.items():
-            leaves[key], reads[key] = _lay_out(local_parameter(param), spec, grad_sync)
+            records[key] = _lay_out(local_parameter(param), spec, grad_sync)
+    leaves = {key: record.leaf for key, record in records.items()}
     if leaves:  # its steps are compared over every rank that holds a piece of it, on its tensors' device
         first = next(iter(leaves.values()))
         grad_sync.clock = StepClock(spec_of(first).all_ranks_group_name, local_tensor(first).device)
     for path, module in model.named_modules(remove_duplicate=False):
         owned = {n: p for n, p in module._parameters.items() if p is not None}
-        if not owned or hasattr(module, _SPECS):
+        if not owned or module_record(module) is not None:
             continue
-        setattr(module, _SPECS, {name: spec_of(leaves[id(param)]) for name, param in owned.items()})
-        setattr(module, _PATH, path)
+        attach(module, ModuleRecord(path, {name: records[id(param)] for name, param in owned.items()}, grad_sync))
         if stage >= 1:
             module.__dict__["_apply"] = functools.partial(_refuse_conversion, module)
         module.register_state_dict_post_hook(_state_dict_values)
         module.register_load_state_dict_pre_hook(_load_state_dict_shard)
         for name, param in owned.items():
             module._parameters[name] = leaves[id(param)]  # the parameter itself, unless sharded or born on meta
-            module.__dict__[_LAID_OUT + name] = (leaves[id(param)], reads[id(param)])
         if stage == 1 and not any(spec_of(leaves[id(p)]).tensor_parallel for p in owned.values()):
             continue  # no marker: the parameters stay the leaves, read directly
         for name, param in owned.items():
             if stage == 2:
-                module.register_buffer(_RESIDENT + name, prepared_param(leaves[id(param)]).resident,
-                                       persistent=False)
-        module.__dict__[_GRAD_SYNC] = grad_sync
+                module.register_buffer(_RESIDENT + name, records[id(param)].resident, persistent=False)
         module.__class__ = _accessor_class(type(module), tuple(owned))
     if param_dtype is not None:
         model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
