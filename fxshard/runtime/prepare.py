@@ -236,7 +236,7 @@ def _refuse_conversion(module: nn.Module, fn, recurse: bool = True):
     is refused before any tensor changes. A conversion that changes no parameter (``.to()`` the dtype and device
     it already has) converts the buffers only: a DTensor leaf cannot be swapped in place (torch's ``_apply`` would
     try)."""
-    prepared = [(m, name) for m in module.modules() if module_record(m) is not None for name in module_record(m).params]
+    prepared = [(m, name) for m in module.modules() if (laid_out := module_record(m)) for name in laid_out.params]
     changed = next(((m, name) for m, name in prepared
                     if m._parameters[name] is not None and fn(m._parameters[name]) is not m._parameters[name]), None)
     if changed is not None:
