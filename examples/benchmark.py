@@ -53,7 +53,7 @@ from fxshard.simulate import calibrate  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
 from examples.train_gpt import batches  # noqa: E402
 from fxshard.passes import PassContext  # noqa: E402
-from fxshard.runtime.prepare import updating_optimizer  # noqa: E402
+from fxshard.runtime.optimizer_record import updating_optimizer  # noqa: E402
 
 # vocab 2048 x d_model 256 embedding (tied with the LM head) + 4 blocks of 789,760 + positions and final LayerNorm
 MODEL = GPTConfig(vocab_size=2048, block_size=64, n_layer=4, n_head=4, d_model=256)

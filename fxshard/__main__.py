@@ -255,7 +255,7 @@ def _report(args, script_args: list[str]) -> int:
 
     from fxshard.report.measure import CollectiveCounter
     from fxshard.report.tables import ledger_report
-    from fxshard.runtime.prepare import steps_inside_another
+    from fxshard.runtime.optimizer_record import steps_inside_another
 
     with CollectiveCounter() as counter:
         # a step is the script's optimizer's: the one prepare returned steps another over the flat shards inside it

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxshard
 from examples.models import GPT, MLP, GPTConfig, gpt_batch
-from fxshard.runtime.prepare import updating_optimizer
+from fxshard.runtime.optimizer_record import updating_optimizer
 from fxshard.testing import rank_and_world
 
 PER_RANK_BATCH = 4

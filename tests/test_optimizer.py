@@ -8,7 +8,7 @@ import fxshard
 import scenarios
 from examples.models import MLP
 from fxshard.runtime.param import prepared_param, spec_of
-from fxshard.runtime.prepare import updating_optimizer
+from fxshard.runtime.optimizer_record import updating_optimizer
 from fxshard.runtime.sharding import shard_of
 from fxshard.testing import fake_process_group, graph_summary
 from snapshots import assert_fxshard_snapshot

@@ -117,7 +117,7 @@ def optimizer_bytes(optimizer) -> int:
     updates that are copies of their own, not storage of the model's parameters (stage 1's master shards; stages
     2-3's flat shards are the storage of the leaves)."""
     from fxshard.runtime.param import prepared_param
-    from fxshard.runtime.prepare import updating_optimizer
+    from fxshard.runtime.optimizer_record import updating_optimizer
 
     total = 0
     for group in updating_optimizer(optimizer).param_groups:

@@ -76,12 +76,11 @@ def _names_from_model(model) -> dict[tuple, str]:
     by_id: dict[int, list[str]] = {}
     for site, param in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(site)
-    from fxshard.runtime.param import module_record
+    from fxshard.runtime.param import module_records
 
-    for module_path, module in model.named_modules(remove_duplicate=False):
-        laid_out = module_record(module)
-        for attr, record in ({} if laid_out is None else laid_out.params).items():
-            site = f"{module_path}.{attr}" if module_path else attr
+    for _, laid_out in module_records(model):
+        for attr, record in laid_out.params.items():
+            site = f"{laid_out.path}.{attr}" if laid_out.path else attr
             names[(site,)] = record.spec.name
     for sites in by_id.values():
         for site in sites:
@@ -135,7 +134,7 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
     Several Dynamo graphs (graph breaks) add their terms; a graph id without a backward (an inference graph)
     contributes only its collectives to the schedule. A compiled ``optimizer.step`` contributes the collectives of
     its graph (of the latest compile, where it was recompiled) in place of the eager step's per-parameter gathers."""
-    from fxshard.runtime.prepare import updating_optimizer
+    from fxshard.runtime.optimizer_record import updating_optimizer
 
     optimizer = None if optimizer is None else updating_optimizer(optimizer)
     names = _names_from_model(model)

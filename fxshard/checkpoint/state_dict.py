@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.errors import FxShardError
 from fxshard.runtime.optimizer_state_dict import updated_tensors
-from fxshard.runtime.param import module_record, spec_of
+from fxshard.runtime.param import module_record, module_records, spec_of
 from fxshard.runtime.prepare import is_prepared
 from fxshard.torch_compat import flatten_optimizer_state_dict, resolve_group
 
@@ -88,8 +88,7 @@ def _consolidated(state_dict: dict, options: StateDictOptions, group) -> dict:
 def checkpoint_group(module: nn.Module):
     """Every rank that holds a piece of the model: its shard group, or on a hybrid mesh all of the mesh (each
     replica group writes the same rows; DCP keeps one copy)."""
-    spec = next(record.spec for m in module.modules() if (laid_out := module_record(m)) is not None
-                for record in laid_out.params.values())
+    spec = next(record.spec for _, laid_out in module_records(module) for record in laid_out.params.values())
     return resolve_group(spec.all_ranks_group_name)
 
 

@@ -35,8 +35,8 @@ from fxshard.runtime.prepare import (
     shard_parameters,
     sharded_world_size,
     tensor_parallel_of,
-    updating_optimizer,
 )
+from fxshard.runtime.optimizer_record import updating_optimizer
 from fxshard.simulate import autotune
 from fxshard.simulate.simulator import Machine, default_machine
 from fxshard.torch_compat import aot_module_simplified, make_boxed_func, min_cut_rematerialization_partition

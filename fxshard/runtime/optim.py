@@ -33,11 +33,15 @@ from .groups import peer_failures_explained
 from .layout import flat_shard, full_from_value, gather_full, global_of
 from .ops import cast_to, flat_padded, reduce_scatter_mean
 from .param import GradSync, prepared_leaves, prepared_param, replaced_by, spec_of
-from .prepare import FLAT_SHARD_UPDATE, STEPPED_BY, replace_updated_state, steps_inside_another, updating_optimizer
+from .optimizer_record import (
+    OptimizerRecord,
+    optimizer_record,
+    replace_updated_state,
+    steps_inside_another,
+    updating_optimizer,
+)
 from .sharding import ShardSpec, pack_greedily, shard_of, unpad
 from .step_clock import INF_CHECK, NORM
-
-_SHARDED_STEP = "_fxshard_sharded_step"  # attribute of the optimizers prepare returns: their ShardedStep
 
 # Optimizers whose update is elementwise, so running them on flat shards equals running them on full tensors.
 ELEMENTWISE_OPTIMIZERS = (
@@ -111,17 +115,17 @@ def shard_optimizer_over(
         _regroup_in_place(optimizer, updated, state)
     step = ShardedStep(stage, list(leaves.values()), grad_sync, bucket_bytes)
     grad_sync.settle_with(step.average_full_gradients if stage == 1 else step.settle_gradients)
-    setattr(updating, _SHARDED_STEP, step)
+    record = OptimizerRecord(optimizer, updating, step)
+    record.attach()
     updating.register_step_pre_hook(step.settle_gradients)
     updating.register_step_post_hook(step.publish_parameters)
-    setattr(optimizer, _SHARDED_STEP, step)
     optimizer.add_param_group = functools.partial(_refuse_new_param_group, stage)  # its own, over the class's
     # state_dict(): shards as DTensors of the parameters' full shapes; load_state_dict(): back to this rank's shards
     optimizer.register_state_dict_pre_hook(optimizer_state_dict.optimizer_state_dict_pre_hook)
     optimizer.register_state_dict_post_hook(optimizer_state_dict.optimizer_state_dict_post_hook)
     optimizer.register_load_state_dict_pre_hook(optimizer_state_dict.optimizer_load_state_dict_pre_hook)
     if stage >= 1:
-        FlatShardUpdate(optimizer, updating)
+        record.flat_shard_update = FlatShardUpdate(optimizer, updating)
     return optimizer
 
 
@@ -168,8 +172,6 @@ class FlatShardUpdate:
                       for p, flat in zip(og["params"], ig["params"])]  # (what the model holds, its flat shard)
         self._loading: dict = {}
         self._held_aside: list[tuple[torch.Tensor, torch.Tensor]] = []  # (leaf, its gradient) during the outer update
-        setattr(outer, FLAT_SHARD_UPDATE, self)
-        inner.__dict__[STEPPED_BY] = self
         outer.register_step_pre_hook(self.step_shards)
         outer.register_step_post_hook(self.give_back_gradients)
         outer.register_load_state_dict_pre_hook(self._keep_laid_out)  # after the checkpoint's: it lays out
@@ -331,11 +333,11 @@ def flat_gradient(grad: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 
 def sharded_step_of(optimizer: torch.optim.Optimizer) -> ShardedStep:
     """The ``ShardedStep`` of an optimizer ``prepare`` returned."""
-    step = getattr(optimizer, _SHARDED_STEP, None)
-    if step is None:
+    record = optimizer_record(optimizer)
+    if record is None:
         raise FxShardError("this optimizer was not returned by backend.prepare; prepare the model with its "
                            "optimizer and use the optimizer it returns")
-    return step
+    return record.sharded_step
 
 
 def _all_reduce_gradients(params: list[torch.Tensor]) -> None:
@@ -382,7 +384,7 @@ def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
     """A step of an optimizer that ``prepare`` did not return, over parameters whose communication lives in the
     steps of the one it did return (stages 0 under ``no_sync``, 1, 2), or over parameters prepare replaced by
     shards (stages 2, 3), would train silently wrong: stop it before it updates anything."""
-    if hasattr(optimizer, _SHARDED_STEP) or torch.compiler.is_compiling():
+    if optimizer_record(optimizer) is not None or torch.compiler.is_compiling():
         return
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -428,9 +430,10 @@ def _agree_on_found_inf(optimizer: torch.optim.Optimizer, found_inf_per_device: 
     skip the step and halve its scale. For an optimizer ``prepare`` returned, every rank's flag becomes the largest
     over the ranks (one all-reduce of one element, every rank checks before it steps), so the ranks skip, step and
     rescale together, as ``ShardedGradScaler`` and FSDP2's DTensor gradients make them."""
-    step = getattr(optimizer, _SHARDED_STEP, None)
-    if step is None or not found_inf_per_device or not step.leaves:
+    record = optimizer_record(optimizer)
+    if record is None or not found_inf_per_device or not record.sharded_step.leaves:
         return
+    step = record.sharded_step
     step.grad_sync.clock.check(INF_CHECK)
     flags = list(found_inf_per_device.values())
     group = spec_of(step.leaves[0]).all_ranks_group_name

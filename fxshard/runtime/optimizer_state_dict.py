@@ -16,7 +16,7 @@ from fxshard.errors import FxShardError
 
 from .layout import full_from_value, shard_from_value, sharded_value, unsharded_value
 from .param import spec_of
-from .prepare import replace_updated_state, updating_optimizer
+from .optimizer_record import replace_updated_state, updating_optimizer
 from .sharding import ShardSpec
 
 _MADE_FOR_STATE_DICT = "_fxshard_state_made_for_state_dict"

@@ -123,6 +123,13 @@ def module_record(module: nn.Module) -> ModuleRecord | None:
     return module.__dict__.get(_MODULE_RECORD)
 
 
+def module_records(model: nn.Module) -> Iterator[tuple[nn.Module, ModuleRecord]]:
+    """(module, its ModuleRecord) for each module of ``model`` whose parameters prepare laid out."""
+    for module in model.modules():
+        if (record := module_record(module)) is not None:
+            yield module, record
+
+
 def prepared_param(tensor: torch.Tensor) -> PreparedParam | None:
     """The record of the parameter ``tensor`` is (its leaf, its master, or the parameter prepare replaced)."""
     ref = _RECORDS.get(tensor)

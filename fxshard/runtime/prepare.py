@@ -58,6 +58,7 @@ from .param import (
     PreparedParam,
     attach,
     module_record,
+    module_records,
     prepared_param,
     register,
     register_replaced,
@@ -80,39 +81,9 @@ _UNITS = "_fxshard_units"  # the prepared model's attribute, born on meta: {unit
 
 
 def grad_sync_of(model: nn.Module) -> GradSync:
-    for module in model.modules():
-        if (record := module_record(module)) is not None:
-            return record.grad_sync
+    for _, record in module_records(model):
+        return record.grad_sync
     raise FxShardError("this model was not prepared; call backend.prepare(model, optimizer) first")
-
-# stages 1-3: the attribute of the optimizer prepare returned (over the model's parameters) holding its
-# fxshard.runtime.optim.FlatShardUpdate (an attribute, not a weak-keyed registry: that refers to the optimizer)
-FLAT_SHARD_UPDATE = "_fxshard_flat_shard_update"
-STEPPED_BY = "_fxshard_stepped_by"  # attribute of its inner optimizer: the FlatShardUpdate
-
-
-def updating_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose update writes what this rank trains: at stages 1-3 the one over the flat shards (stage
-    1: the fp32 masters) that the returned optimizer steps from its own step; at stage 0 the returned optimizer."""
-    flat_shard_update = getattr(optimizer, FLAT_SHARD_UPDATE, None)
-    return optimizer if flat_shard_update is None else flat_shard_update.inner
-
-
-def steps_inside_another(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is the one over the flat shards that a returned optimizer steps from its own step."""
-    return optimizer.__dict__.get(STEPPED_BY) is not None
-
-
-def replace_updated_state(optimizer: torch.optim.Optimizer, state_of_updated: dict) -> None:
-    """Make ``state_of_updated`` (keyed by what ``updating_optimizer`` updates) the optimizer's whole state: at
-    stages 1-3 through its FlatShardUpdate, which shares it with the returned optimizer's parameters."""
-    flat_shard_update = getattr(optimizer, FLAT_SHARD_UPDATE, None)
-    if flat_shard_update is not None:
-        flat_shard_update.replace_state(state_of_updated)
-    else:
-        optimizer.state.clear()
-        optimizer.state.update(state_of_updated)
-
 
 def tensor_parallel_of(model: nn.Module) -> list[TensorParallel]:
     """The tensor-parallel layouts of ``model``'s prepared parameters ([]: none is a DTensor)."""
@@ -132,7 +103,7 @@ def materialised_units(model: nn.Module) -> dict[str, int]:
 
 
 def is_prepared(model: nn.Module) -> bool:
-    return any(module_record(m) is not None for m in model.modules())
+    return next(module_records(model), None) is not None
 
 
 def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
@@ -236,11 +207,10 @@ def _refuse_conversion(module: nn.Module, fn, recurse: bool = True):
     is refused before any tensor changes. A conversion that changes no parameter (``.to()`` the dtype and device
     it already has) converts the buffers only: a DTensor leaf cannot be swapped in place (torch's ``_apply`` would
     try)."""
-    prepared = [(m, name) for m in module.modules() if (laid_out := module_record(m)) for name in laid_out.params]
-    changed = next(((m, name) for m, name in prepared
+    changed = next((record for m, laid_out in module_records(module) for name, record in laid_out.params.items()
                     if m._parameters[name] is not None and fn(m._parameters[name]) is not m._parameters[name]), None)
     if changed is not None:
-        spec = module_record(changed[0]).params[changed[1]].spec
+        spec = changed.spec
         raise FxShardError(
             f"converting a prepared stage-{spec.stage} model ({spec.name} and the rest: .to(), .double(), .cuda() "
             "...) would leave the tensors the optimizer and the collectives write into behind, and training would "
