@@ -47,8 +47,17 @@ import sympy
 import torch
 from tabulate import tabulate
 
-from . import budget
+import fxshard
+
+from . import api, budget
+from .budget.prepare_terms import built_whole_terms
 from .errors import FxShardError
+from .report.measure import CollectiveCounter
+from .report.tables import ledger_report
+from .runtime.optimizer_record import steps_inside_another
+from .simulate.simulator import default_machine
+from .simulate.what_if import options_table
+from .testing import fake_process_group
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
               "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}
@@ -59,9 +68,6 @@ def _stand_in_ledger(stage: int, optimizer: str, hybrid: bool = False) -> budget
     """The ledger of a 3-layer bias-free linear chain, compiled for ``stage`` on a fake world of 2 ranks (``hybrid``:
     of 4, a 2x2 mesh)."""
     import torch.nn.functional as F
-
-    import fxshard
-    from fxshard.testing import fake_process_group
 
     class StandIn(torch.nn.Module):
         def __init__(self):
@@ -103,8 +109,6 @@ def budget_rows(params: float, world: int, stages: list[int], optimizer: str, wi
     the parameters (mixed precision) the compute copy is counted apart from it. The prepare peak of the model
     built on the meta device (``prepare_meta``, evaluated where ``unit_params``, the largest unit's elements, is
     given) and built whole (``prepare_whole``)."""
-    from fxshard.budget.prepare_terms import built_whole_terms
-
     rows = []
     for stage in stages:
         hybrid = replicas > 1 and stage > 0  # stage 0 on a mesh all-reduces over every rank
@@ -221,8 +225,6 @@ def _mesh_or_world(args) -> tuple[int, int, int]:
 @contextlib.contextmanager
 def _recording_backends():
     """Yields the list that every ``Backend`` prepared meanwhile is appended to."""
-    from . import api
-
     backends = []
     original_prepare = api.Backend.prepare
 
@@ -252,10 +254,6 @@ def _run_script(script: str, script_args: list[str], command: str) -> list:
 def _report(args, script_args: list[str]) -> int:
     """Run the script here, recording every backend it prepares and the collectives of each optimizer step."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    from fxshard.report.measure import CollectiveCounter
-    from fxshard.report.tables import ledger_report
-    from fxshard.runtime.optimizer_record import steps_inside_another
 
     with CollectiveCounter() as counter:
         # a step is the script's optimizer's: the one prepare returned steps another over the flat shards inside it
@@ -294,9 +292,6 @@ def _simulate(args, script_args: list[str]) -> int:
             raise FxShardError(f"{args.script}'s backend (stage {backend.stage}) compiled no graph: run a step "
                                "through torch.compile(model, backend=backend) first")
         if args.options:
-            from fxshard.simulate.simulator import default_machine
-            from fxshard.simulate.what_if import options_table
-
             machine = backend.machine or default_machine("cpu" if backend.model is None else
                                                          next(backend.model.parameters()).device.type)
             print(f"{args.script}: stage {backend.stage}, the step's graphs under each communication option "

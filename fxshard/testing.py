@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fxshard.torch_compat import OpOverload, fake_store
+from fxshard.torch_compat import OpOverload, fake_store, op_name
 
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
            torch.int64: "i64", torch.int32: "i32", torch.bool: "b8"}
@@ -54,7 +54,7 @@ def _target_name(node: fx.Node) -> str:
     target = node.target
     if isinstance(target, OpOverload):
         namespace = target.namespace.replace("_c10d_functional", "c10d")
-        return f"{namespace}.{target._opname}"
+        return f"{namespace}.{op_name(target)}"
     return getattr(target, "__name__", str(target))
 
 

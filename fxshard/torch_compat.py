@@ -36,14 +36,17 @@ from torch.fx.experimental import symbolic_shapes
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
-    "after_grad_scaler_inf_check", "aot_module_simplified", "c10d_functional", "concatenate_meshes", "ConstantSource",
-    "dcp_flat_keys", "default_store", "detect_fake_mode", "fake_store", "flatten_optimizer_state_dict",
-    "FLOPS_COUNTED_AS", "gloo_threads", "gloo_with_options", "inductor_backward", "inductor_compiler_config",
-    "inductor_decompositions", "inductor_forward", "inductor_partition", "inductor_virtualized",
-    "is_backend_registered", "LocalSource", "make_boxed_func", "min_cut_rematerialization_partition", "model_outputs",
-    "OpOverload", "profiled_ops", "ProfiledOp", "register_log", "resolve_group", "SavedForBackwardsAOTOutput",
-    "ShortenTraceback", "strided_shard", "TensorProperty", "TensorPropertySource", "total_norm_from", "trace_log",
-    "trace_structured", "traced_size", "tree_flatten", "tree_map",
+    "after_grad_scaler_inf_check", "aot_module_simplified", "c10d_functional", "child_modules", "concatenate_meshes",
+    "ConstantSource", "dcp_flat_keys", "default_store", "detect_fake_mode", "fake_store",
+    "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS", "gloo_threads", "gloo_with_options", "graph_root",
+    "inductor_backward", "inductor_compiler_config", "inductor_decompositions", "inductor_forward",
+    "inductor_partition", "inductor_virtualized", "intercept_conversions", "is_backend_registered",
+    "is_persistent_buffer", "LocalSource", "make_boxed_func", "min_cut_rematerialization_partition", "model_outputs",
+    "name_parameter_source", "op_arguments", "op_name", "OpOverload", "own_buffers", "own_parameters",
+    "profiled_item_size", "profiled_ops", "ProfiledOp", "register_log", "resolve_group",
+    "SavedForBackwardsAOTOutput", "ShortenTraceback", "strided_shard", "tensor_version", "TensorProperty",
+    "TensorPropertySource", "total_norm_from", "trace_log", "trace_structured", "traced_size", "tree_flatten",
+    "tree_map", "view_base",
 ]
 
 # The functional collectives' op namespace: what fxshard's graphs hold (all_gather_into_tensor, reduce_scatter_tensor,
@@ -132,11 +135,90 @@ class ProfiledOp:
     input_dtypes: list  # the C++ type names: "float", "c10::BFloat16", ...
 
 
+# The C++ type names torch's profiler gives each dtype (torch 2.11-2.15), by bytes per element
+_PROFILED_ITEM_SIZES = {
+    "double": 8, "float": 4, "c10::Half": 2, "c10::BFloat16": 2,
+    "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1, "c10::Float8_e4m3fnuz": 1, "c10::Float8_e5m2fnuz": 1,
+    "c10::Float8_e8m0fnu": 1,
+    "long int": 8, "int": 4, "short int": 2, "signed char": 1,
+    "long unsigned int": 8, "unsigned int": 4, "short unsigned int": 2, "unsigned char": 1, "bool": 1,
+    "c10::complex<double>": 16, "c10::complex<float>": 8, "c10::complex<c10::Half>": 4,
+}
+
+
+def profiled_item_size(type_name: str) -> int | None:
+    """Bytes per element of a dtype as torch's profiler names it (``ProfiledOp.input_dtypes``); None for a name
+    this table lacks."""
+    return _PROFILED_ITEM_SIZES.get(type_name)
+
+
+def op_name(op: OpOverload) -> str:
+    """An op's name without its namespace and overload: ``"all_gather_into_tensor"``."""
+    return op._opname
+
+
 def profiled_ops(profiled: torch.profiler.profile) -> list[ProfiledOp]:
     """The CPU ops a finished ``torch.profiler.profile(record_shapes=True)`` recorded, in the order they began."""
     events = profiled.profiler.kineto_results.events()
     ops = [ProfiledOp(e.name(), e.start_ns(), e.shapes(), e.dtypes()) for e in events]
     return sorted(ops, key=lambda op: op.start_ns)
+
+
+# --- nn.Module, Tensor and FX internals -------------------------------------------------------------------------
+
+
+def own_parameters(module: torch.nn.Module) -> dict:
+    """The parameter slots of ``module`` itself (not its children), by name, writable: prepare and materialisation
+    put a tensor in a slot without ``register_parameter``'s checks (a DTensor leaf, a meta placeholder)."""
+    return module._parameters
+
+
+def own_buffers(module: torch.nn.Module) -> dict:
+    """The buffer slots of ``module`` itself, by name, writable."""
+    return module._buffers
+
+
+def child_modules(module: torch.nn.Module) -> dict:
+    """``module``'s direct children by attribute name (None where a slot is empty)."""
+    return module._modules
+
+
+def is_persistent_buffer(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module``'s own buffer ``name`` goes into its state dict."""
+    return name not in module._non_persistent_buffers_set
+
+
+def intercept_conversions(module: torch.nn.Module, apply) -> None:
+    """Make ``apply(fn, recurse=True)`` what ``module``'s ``.to()``, ``.double()``, ``.cuda()`` ... run in place of
+    ``nn.Module._apply`` (for this instance only)."""
+    module.__dict__["_apply"] = apply
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of, or None."""
+    return tensor._base
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter: it grows with every in-place write."""
+    return tensor._version
+
+
+def name_parameter_source(gm: torch.fx.GraphModule, name: str, source) -> None:
+    """Tell AOT where the attribute ``name`` of a Dynamo graph came from (it asks Dynamo's record), for a tensor
+    the backend added to the graph itself."""
+    if hasattr(gm, "_param_name_to_source"):
+        gm._param_name_to_source[name] = source
+
+
+def op_arguments(op: OpOverload) -> list:
+    """The schema's arguments of an op (each with ``name``, ``has_default_value()``, ``default_value``)."""
+    return op._schema.arguments
+
+
+def graph_root(graph: torch.fx.Graph) -> torch.fx.Node:
+    """The sentinel node an FX graph's node list starts at: ``append`` to it to insert at the top."""
+    return graph._root
 
 
 # --- torch.distributed internals ---------------------------------------------------------------------------------

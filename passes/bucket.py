@@ -42,19 +42,15 @@ from torch import fx
 
 from fxshard.errors import FxShardError
 from fxshard.runtime.ops import REDUCE_GRAD, UNSHARD
-from fxshard.runtime.sharding import pack_greedily
+from fxshard.runtime.sharding import ROOT_UNIT, pack_greedily, unit_of
 
 from .context import PassContext
-from .fx_utils import ROOT_UNIT, marker_args, position, unit_of
-
-LOWERED_REDUCTIONS = ("all_reduce", "reduce_scatter")
-
+from .fx_utils import marker_args, marker_layout, position
 
 def _lowered(marker: fx.Node) -> bool:
-    args = marker_args(marker)
-    if marker.target is UNSHARD:
-        return args["resident"] is None and args["grad_reduction"] == "reduce_scatter"  # stage 3 gathers
-    return args["grad_reduction"] in LOWERED_REDUCTIONS
+    """Whether lowering makes a collective of the marker: a gather, or a gradient that leaves this rank."""
+    layout = marker_layout(marker)
+    return layout.gathers if marker.target is UNSHARD else layout.gradient_collective is not None
 
 
 def _block_of(fqn: str, prefixes: Sequence[str]) -> str:
@@ -104,7 +100,7 @@ def bucket_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         # gathers and each kind of reduction form their own sequences: one bucket never mixes collective kinds
         kinds: dict[tuple, list[fx.Node]] = {}
         for marker in markers:
-            kinds.setdefault((marker.target, marker_args(marker)["grad_reduction"]), []).append(marker)
+            kinds.setdefault((marker.target, marker_layout(marker).gradient_collective), []).append(marker)
         for kind_markers in kinds.values():
             decided.update(_greedy_by_bytes(kind_markers, ctx.bucket, ctx.world_size))
     policy = ctx.bucket if isinstance(ctx.bucket, str) else f"<= {ctx.bucket} bytes"

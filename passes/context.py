@@ -8,20 +8,21 @@ from typing import Literal
 
 import torch
 
+from fxshard.runtime.groups import COLLECTIVE_TIMEOUT_S
+
 from .quantize import DEFAULT_QUANTIZE_BLOCK
 
 GraphKind = Literal["joint", "forward", "backward", "inference", "optimizer"]
 
 
 DDP_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
-COLLECTIVE_TIMEOUT_S = 30.0  # how long a rank waits for its peers in one of fxshard's collectives
 
 
 def default_bucket(stage: int) -> str | int:
     """The backend's ``bucket`` when none is given: stage 0 all-reduces whole buckets as DDP does (nothing to
     gather per layer, and on every backend each collective has a fixed latency); stages 1-3 group by the model's
-    repeated blocks as FSDP2 users wrap them (``"auto"``: measured 0.69x the per-layer step at stage 3,
-    docs/benchmark.md)."""
+    repeated blocks as FSDP2 users wrap them (``"auto"``: faster than per-layer collectives at stage 3 for a little
+    more peak memory, docs/scheduling.md)."""
     return DDP_BUCKET_BYTES if stage == 0 else "auto"
 
 

@@ -24,10 +24,11 @@ import time
 
 import torch
 from torch import fx
+from fxshard.runtime.collectives import COLLECTIVE_ROLES
 from fxshard.torch_compat import FLOPS_COUNTED_AS, tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from .fx_utils import COLLECTIVE_ROLES, aliases_its_input, replica_ranks, size_hint
+from .fx_utils import aliases_its_input, replica_ranks, size_hint
 
 
 def tensor_bytes(value) -> int:

@@ -8,25 +8,9 @@ import torch
 from torch import fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fxshard.torch_compat import OpOverload, c10d_functional, detect_fake_mode, traced_size
+from fxshard.runtime.sharding import MarkerLayout
+from fxshard.torch_compat import OpOverload, detect_fake_mode, op_arguments, traced_size
 
-ROOT_UNIT = "root"
-# meta["fxshard"]["role"] of the nodes lower_collectives_pass makes that communicate
-COLLECTIVE_ROLES = ("all_gather", "reduce_scatter", "all_reduce")
-# The functional collectives a graph may hold (fxshard's, DTensor's, the user's) by kind; each names its group by
-# its last argument
-FUNCTIONAL_COLLECTIVES = {
-    c10d_functional.all_gather_into_tensor.default: "all_gather",
-    c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
-    c10d_functional.all_reduce.default: "all_reduce",
-    c10d_functional.all_to_all_single.default: "all_to_all",
-}
-
-
-def unit_of(fqn: str) -> str:
-    """The module that uses a parameter: ``"blocks.0.attn.qkv.weight"`` -> ``"blocks.0.attn.qkv"``; a parameter of
-    the model itself (``"scale"``) belongs to the unit ``"root"``."""
-    return fqn.rpartition(".")[0] or ROOT_UNIT
 
 
 def size_hint(value: int | torch.SymInt) -> int:
@@ -59,13 +43,18 @@ def replica_ranks(node: fx.Node) -> int | None:
 
 
 def marker_args(node: fx.Node) -> dict:
-    """A marker node's arguments by their schema names (``local``, ``resident``, ``fqn``, ``grad_reduction``...),
-    defaults filled in."""
-    schema = node.target._schema.arguments
+    """A marker node's arguments by their schema names (``local``, ``resident``, ``fqn``, ``layout``...), defaults
+    filled in."""
+    schema = op_arguments(node.target)
     values = {arg.name: arg.default_value for arg in schema if arg.has_default_value()}
     values.update({arg.name: value for arg, value in zip(schema, node.args)})
     values.update(node.kwargs)
     return values
+
+
+def marker_layout(node: fx.Node) -> MarkerLayout:
+    """How a marker finds its parameter's full value and returns its gradient (read through its properties)."""
+    return MarkerLayout(marker_args(node)["layout"])
 
 
 def fxshard_meta(node: fx.Node) -> dict:

@@ -46,22 +46,18 @@ from collections import defaultdict
 import torch
 from torch import fx
 
+from fxshard.runtime.collectives import COLLECTIVE_ROLES
 from fxshard.runtime.ops import REDUCE_GRAD, UNSHARD
+from fxshard.runtime.sharding import unit_of
 from fxshard.torch_compat import c10d_functional
 
 from .context import PassContext
-from .fx_utils import COLLECTIVE_ROLES, fxshard_meta, marker_args, position, refresh_fake_values, unit_of
+from .fx_utils import fxshard_meta, marker_args, marker_layout, position, refresh_fake_values
 from .quantize import QuantizedNodes, packing_saves, wire_elements
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 c10d = c10d_functional
-
-
-def gathers_shards(marker: fx.Node) -> bool:
-    """Whether an ``unshard`` marker must all-gather (stage 3) rather than read a full tensor it was given."""
-    args = marker_args(marker)
-    return args["resident"] is None and args["grad_reduction"] == "reduce_scatter"
 
 
 def _unit_groups(markers, key=lambda m: ()) -> dict[tuple, list[fx.Node]]:
@@ -108,7 +104,7 @@ def _cast(emit: _Emitter, value: fx.Node, dtype: torch.dtype | None, current: to
 
 def _read_full(graph: fx.Graph, marker: fx.Node) -> None:
     args = marker_args(marker)
-    full = args["resident"] if args["resident"] is not None else args["local"]
+    full = args["resident"] if marker_layout(marker).reads_resident else args["local"]
     fxshard_meta(full).update(unit=unit_of(args["fqn"]), role="resident", params=[args["fqn"]])
     with graph.inserting_before(marker):
         value = _cast(_Emitter(graph, unit_of(args["fqn"]), [args["fqn"]]), full, marker.meta["val"].dtype)
@@ -278,7 +274,7 @@ def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassC
     markers = sorted(markers, key=order.__getitem__)
     sites = [site for m in markers for site in m.meta.get("fxshard", {}).get("merged", [marker_args(m)["fqn"]])]
     emit = _Emitter(graph, unit, sites)
-    if marker_args(markers[0])["grad_reduction"] == "all_reduce":
+    if marker_layout(markers[0]).gradient_collective == "all_reduce":
         lower = _lower_all_reduce
     else:
         row = sum(m.meta["val"].numel() for m in markers)  # this rank's part of each rank's gradient row
@@ -298,7 +294,7 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     graph = gm.graph
     gathering = []
     for marker in list(graph.find_nodes(op="call_function", target=UNSHARD)):
-        if gathers_shards(marker):
+        if marker_layout(marker).gathers:
             gathering.append(marker)
         else:
             _read_full(graph, marker)
@@ -306,14 +302,14 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         _lower_gather(graph, unit, markers, ctx)
     reduces = []
     for marker in list(graph.find_nodes(op="call_function", target=REDUCE_GRAD)):
-        if marker_args(marker)["grad_reduction"] == "none":  # no_sync: the gradient stays local
+        if marker_layout(marker).gradient_collective is None:  # no_sync: the gradient stays local
             args = marker_args(marker)
             with graph.inserting_before(marker):
                 emit = _Emitter(graph, unit_of(args["fqn"]), [args["fqn"]])
                 _replace_marker(graph, marker, _cast(emit, marker.args[0], marker.meta["val"].dtype))
         else:
             reduces.append(marker)
-    by_reduction = _unit_groups(reduces, key=lambda m: (marker_args(m)["grad_reduction"], _reduce_dtype(m)))
+    by_reduction = _unit_groups(reduces, key=lambda m: (marker_layout(m).gradient_collective, _reduce_dtype(m)))
     for (unit, *_), markers in by_reduction.items():
         for group in _split_late_consumers(graph, markers):
             _lower_reduce(graph, unit, group, ctx)

@@ -32,7 +32,7 @@ def _mergeable(a, b) -> bool:
     if not all(isinstance(n, fx.Node) and n.target is REDUCE_GRAD and len(n.users) == 1 for n in (a, b)):
         return False
     args_a, args_b = marker_args(a), marker_args(b)
-    same = ("world_size", "group_name", "grad_reduction")
+    same = ("world_size", "group_name", "layout")
     return all(args_a[k] == args_b[k] for k in same) and a.args[0].meta["val"].shape == b.args[0].meta["val"].shape
 
 

@@ -58,11 +58,12 @@ import operator
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.torch_compat import c10d_functional
+from fxshard.runtime.collectives import COLLECTIVE_ROLES
+from fxshard.torch_compat import c10d_functional, graph_root
 
 from .context import PassContext
 from .cost_model import CostModel, tensor_bytes
-from .fx_utils import COLLECTIVE_ROLES, is_view, position
+from .fx_utils import is_view, position
 
 SCHEDULED_GRAPHS = ("forward", "backward", "inference")
 # where waits go before the gathers of their node and the memory rule holds gathers back: the training step's
@@ -337,7 +338,7 @@ def reorder(gm: fx.GraphModule, new_order: list[fx.Node]) -> fx.GraphModule:
     cursor = anchor[-1] if anchor else None
     for node in new_order:
         if cursor is None:
-            graph._root.append(node)  # an empty graph without inputs: start at the root sentinel
+            graph_root(graph).append(node)  # an empty graph without inputs: start at the root sentinel
         else:
             cursor.append(node)
         cursor = node

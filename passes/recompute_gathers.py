@@ -29,10 +29,10 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxshard.runtime.ops import UNSHARD
+from fxshard.runtime.sharding import MarkerLayout
 
 from .context import PassContext
-from .fx_utils import fxshard_meta, is_view, marker_args
-from .lower_collectives import gathers_shards
+from .fx_utils import fxshard_meta, is_view, marker_args, marker_layout
 
 aten = torch.ops.aten
 
@@ -109,7 +109,7 @@ def _regather_from_secondary(graph: fx.Graph, marker: fx.Node, backward: set[fx.
     secondary = _secondary_shard(graph, marker, k, ctx.secondary_rank)
     args = marker_args(marker)
     regathered = _emit_after(graph, secondary, UNSHARD, secondary, None, list(args["full_shape"]), k,
-                             ctx.secondary_group_name, args["fqn"], "reduce_scatter")
+                             ctx.secondary_group_name, args["fqn"], MarkerLayout.GATHER.value)
     _tag_recompute(regathered, f"regather in backward from secondary shards over {k} ranks")
     fxshard_meta(regathered)["regather"] = k
     copies = {marker: regathered}
@@ -128,7 +128,7 @@ def _regather_from_secondary(graph: fx.Graph, marker: fx.Node, backward: set[fx.
 def recompute_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.graph != "joint" or not ctx.reshard_after_forward:
         return gm
-    markers = [m for m in gm.graph.find_nodes(op="call_function", target=UNSHARD) if gathers_shards(m)]
+    markers = [m for m in gm.graph.find_nodes(op="call_function", target=UNSHARD) if marker_layout(m).gathers]
     if ctx.secondary_group_name:
         backward = _backward_nodes(gm.graph)
         if any([_regather_from_secondary(gm.graph, m, backward, ctx) for m in markers]):

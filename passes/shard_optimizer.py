@@ -24,9 +24,10 @@ import torch
 from torch import fx
 
 from fxshard.runtime.ops import UNSHARD
+from fxshard.runtime.sharding import MarkerLayout, unit_of
 
 from .context import PassContext
-from .fx_utils import fxshard_meta, unit_of
+from .fx_utils import fxshard_meta
 
 
 def _publishing_shards(graph: fx.Graph) -> list[fx.Node]:
@@ -50,7 +51,7 @@ def shard_optimizer_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             full = graph.get_attr(layout["publish_into"])
             gathered = graph.call_function(UNSHARD, (
                 shard, None, list(layout["full_shape"]), layout["world_size"], layout["group_name"], layout["fqn"],
-                "reduce_scatter", full_value.dtype, None,
+                MarkerLayout.GATHER.value, full_value.dtype, None,
             ))
             copied = graph.call_function(torch.ops.aten.copy_.default, (full, gathered))
         for node in (full, gathered, copied):

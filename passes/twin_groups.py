@@ -6,7 +6,7 @@ worker threads, and torch 2.13's gloo frees a buffer twice when two collectives 
 (docs/known-issues.md): fxshard's own collectives run on a one-worker twin of their group for that reason, and this
 pass sends DTensor's to the twin of theirs, which ``prepare`` made (``ctx.group_twins``).
 
-Assumes: functional collectives (``fx_utils.FUNCTIONAL_COLLECTIVES``) name their group by their last argument.
+Assumes: functional collectives (``fxshard.runtime.collectives``) name their group by their last argument.
 Guarantees: every collective over a group of ``ctx.group_twins`` names its twin instead (the same ranks, in the
 same order, so the consistency check and the data are unchanged); ``meta["fxshard"]["twin_of"]`` records the group
 it named before. Other nodes are untouched; without ``ctx.group_twins`` the graph is returned as it is.
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from torch import fx
 
+from fxshard.runtime.collectives import collective_of, group_name_of
+
 from .context import PassContext
-from .fx_utils import FUNCTIONAL_COLLECTIVES
 
 
 def twin_groups_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -25,8 +26,8 @@ def twin_groups_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not twins:
         return gm
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in FUNCTIONAL_COLLECTIVES and node.args[-1] in twins:
-            group = node.args[-1]
+        if node.op == "call_function" and collective_of(node.target) and group_name_of(node) in twins:
+            group = group_name_of(node)
             node.update_arg(len(node.args) - 1, twins[group])
             node.meta.setdefault("fxshard", {})["twin_of"] = group
     gm.recompile()

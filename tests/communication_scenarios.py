@@ -3,13 +3,17 @@ sends on the wire, counted by the kernel, beside the ledger; training against pl
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 import fxshard
 import scenarios
 from fxshard import budget
+from fxshard.report.measure import CollectiveCounter
 from fxshard.report.wire import sent_during
+from fxshard.runtime.collectives import COLLECTIVE_ROLES
 from fxshard.runtime.prepare import grad_sync_of
 from fxshard.runtime.step_clock import FORWARD
 from examples.models import GPTConfig, pattern_batch
@@ -53,11 +57,13 @@ def step_on_the_wire(steps: int = WARM_STEPS + 1, **options) -> dict:
     losses, sent = [], {}
     for index in range(steps):
         phases, state = _phases_of_a_step(run, opt, generator)
-        for name, work in phases.items():
-            if index < steps - 1:
-                work()
-                continue
-            sent[name] = sent_during(work)
+        last = index == steps - 1
+        with CollectiveCounter() if last else contextlib.nullcontext() as counter:
+            for name, work in phases.items():
+                if last:
+                    sent[name] = sent_during(work)
+                else:
+                    work()
         losses.append(state["loss"].item())
     # one check of the step clock, bookkeeping outside the ledger's data collectives: a step runs two (its
     # forward's, its optimizer step's)
@@ -66,10 +72,12 @@ def step_on_the_wire(steps: int = WARM_STEPS + 1, **options) -> dict:
     by_group = {str(g): ledger.at(ledger.communicated(moved=True, ranks=g))
                 for g in (budget.N, budget.R, budget.T, budget.K) if any(t.ranks == g for t in ledger.select("comm"))}
     by_kind = {kind: ledger.at(ledger.communicated(kind, moved=True)) for kind in ("all_gather", "reduce_scatter")}
+    handed = {kind: ledger.at(ledger.communicated(kind)) for kind in COLLECTIVE_ROLES if ledger.calls(kind)}
     backward_gathers = [n.args[-1] for r in backend.graphs if r.kind == "backward" for n in r.final.graph.nodes
                         if n.target is c10d_functional.all_gather_into_tensor.default]
     return {"losses": losses, "final": scenarios.full_state(model), "sent": sent, "clock_check_sent": clock_check_sent,
             "ledger_sent": ledger.at(ledger.communicated(moved=True)), "ledger_by_group": by_group,
-            "ledger_by_kind": by_kind, "calls": {kind: ledger.calls(kind) for kind in ("all_gather", "reduce_scatter")},
+            "ledger_by_kind": by_kind, "ledger_handed": handed,
+            "counted": {kind: totals["bytes"] for kind, totals in counter.totals().items()}, "calls": {kind: ledger.calls(kind) for kind in ("all_gather", "reduce_scatter")},
             "backward_gather_ranks": sorted({tuple(dist.get_process_group_ranks(resolve_group(name)))
                                              for name in backward_gathers})}

@@ -514,7 +514,7 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
     measured (collective bytes and calls by kind, bytes of each kind of state), optionally the step's peak."""
     from fxshard import budget
     from fxshard.report.measure import CollectiveCounter
-    from fxshard.passes.fx_utils import COLLECTIVE_ROLES
+    from fxshard.runtime.collectives import COLLECTIVE_ROLES
 
     rank, world = rank_and_world()
     results = {}
@@ -785,7 +785,7 @@ def worker_threads_of_every_collective(stages=(2, 3)) -> dict:
     the MLP with prefetch: the compiled graphs' (``backend.graphs``) and the optimizer step's, and how many of each
     there were; and the user's group's threads."""
     from fxshard.runtime.groups import gloo_worker_threads
-    from fxshard.passes.fx_utils import COLLECTIVE_ROLES
+    from fxshard.runtime.collectives import COLLECTIVE_ROLES
 
     rank, _ = rank_and_world()
     found = {"user": gloo_worker_threads(torch.distributed.group.WORLD.group_name)}

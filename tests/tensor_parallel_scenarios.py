@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import fxshard
 from examples.models import LlamaConfig, LlamaForCausalLM
 from fxshard import budget
-from fxshard.passes.fx_utils import FUNCTIONAL_COLLECTIVES
+from fxshard.runtime.collectives import collective_of
 from fxshard.report.measure import CollectiveCounter
 from scenarios import (
     PER_RANK_BATCH,
@@ -193,7 +193,7 @@ def _dtensor_collective_threads(backend) -> list:
 
     return sorted({gloo_worker_threads(node.args[-1]) for record in backend.graphs
                    if record.kind in ("forward", "backward") for node in record.final.graph.nodes
-                   if node.op == "call_function" and node.target in FUNCTIONAL_COLLECTIVES
+                   if node.op == "call_function" and collective_of(node.target)
                    and "role" not in node.meta.get("fxshard", {})})
 
 

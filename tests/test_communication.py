@@ -102,6 +102,7 @@ def test_int8_weights_and_gradients_send_under_a_third_of_fp32s_bytes(quantized_
     for name in ("fp32", "int8"):
         result = quantized_runs[name][0]
         assert _sent_per_rank(result, 2) == pytest.approx(_ledger_and_framing(result, 2), rel=0.01)
+        assert result["counted"] == result["ledger_handed"]  # counted by CollectiveCounter, int8 buffers too
 
 
 @pytest.mark.parametrize("world, options", [(3, INT8), (2, {"quantize_weights": "fp8", "quantize_grads": "bf16"})])
@@ -109,6 +110,8 @@ def test_the_ledger_prices_each_packed_collective_as_the_wire_carries_it(pools, 
     # the graphs run op by op (compiler="eager"): the same collectives as Inductor's code (test_inductor.py), quicker
     result = pools(world).run(communication_scenarios.step_on_the_wire, compiler="eager", **options)[0]
     assert _sent_per_rank(result, world) == pytest.approx(_ledger_and_framing(result, world), rel=0.01)
+    # fxshard's own counter reads the packed int8 / fp8 / bf16 buffers too, byte for byte the ledger's
+    assert result["counted"] == result["ledger_handed"]
 
 
 def _prepare_chain(world: int, stage: int = 3, **options):

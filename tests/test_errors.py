@@ -6,7 +6,8 @@ from torch import nn
 
 import fxshard
 from examples.models import MLP
-from fxshard.passes.context import COLLECTIVE_TIMEOUT_S, PassContext
+from fxshard.passes.context import PassContext
+from fxshard.runtime.groups import COLLECTIVE_TIMEOUT_S
 from fxshard.testing import fake_process_group
 
 
@@ -149,3 +150,20 @@ def test_the_registered_backend_compiles_with_the_backend_that_prepared(fake_wor
     assert fxshard.report(compiled) == fxshard.report(model) == backend.report()
     with pytest.raises(fxshard.FxShardError, match="this MLP was not prepared by fxshard"):
         fxshard.report(MLP())
+
+
+def test_a_recursion_error_in_torchs_trace_names_torch_and_the_workaround_documented_in_known_issues():
+    import pathlib
+    import re
+
+    from fxshard.compiler.backend import _torch_recursion_explained
+
+    with pytest.raises(fxshard.FxShardError, match=r"inside torch.*dynamic=False") as caught:
+        with _torch_recursion_explained():
+            raise RecursionError("maximum recursion depth exceeded")
+    assert isinstance(caught.value.__cause__, RecursionError)
+    page, anchor = re.search(r"docs/(known-issues\.md)#([\w-]+)", str(caught.value)).groups()
+    headings = (pathlib.Path(__file__).parents[1] / "docs" / page).read_text().splitlines()
+    slugs = {re.sub(r"[^\w\- ]", "", h.lstrip("#").strip().lower()).replace(" ", "-") for h in headings
+             if h.startswith("#")}
+    assert anchor in slugs

@@ -12,7 +12,7 @@ import fxshard
 from examples.models import GPT, GPTConfig
 from fxshard import budget
 from fxshard.budget.formula import SumNames, describe, module_sums
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES
+from fxshard.runtime.collectives import COLLECTIVE_ROLES
 from fxshard.report import ledger_rows
 from fxshard.testing import fake_process_group
 from scenarios import hybrid_mesh

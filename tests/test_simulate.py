@@ -9,7 +9,7 @@ import torch
 import fxshard
 import scenarios
 from fxshard.passes.cost_model import node_flops
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES
+from fxshard.runtime.collectives import COLLECTIVE_ROLES
 from fxshard.runtime.sharding import chunk_size
 from fxshard.simulate import Machine, calibrate, simulate
 from fxshard.simulate.calibration import (

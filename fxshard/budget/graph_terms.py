@@ -14,8 +14,9 @@ import torch
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.passes.fx_utils import (COLLECTIVE_ROLES, FUNCTIONAL_COLLECTIVES, aliases_its_input, replica_ranks,
-                                     size_hint)
+from fxshard.passes.fx_utils import aliases_its_input, marker_args, marker_layout, replica_ranks, size_hint
+from fxshard.runtime.collectives import COLLECTIVE_ROLES, collective_of, group_name_of
+from fxshard.runtime.ops import UNSHARD
 from fxshard.runtime.sharding import row_size
 from fxshard.torch_compat import (
     LocalSource,
@@ -65,9 +66,6 @@ def parameters_of_joint(joint: fx.GraphModule, names: dict[tuple, str] | None = 
     """{graph input index of each trainable leaf: Param}, from the joint graph's markers (before any pass).
 
     ``names`` optionally renames a parameter from (first use-site fqn,) to the name ``prepare`` gave it."""
-    from fxshard.passes.fx_utils import marker_args
-    from fxshard.runtime.ops import UNSHARD
-
     found: dict[int, Param] = {}
     for node in joint.graph.find_nodes(op="call_function", target=UNSHARD):
         args = marker_args(node)
@@ -75,12 +73,8 @@ def parameters_of_joint(joint: fx.GraphModule, names: dict[tuple, str] | None = 
         if idx is None:
             continue
         numel = int(torch.Size(args["full_shape"]).numel())
-        if args["resident"] is not None:
-            reads = "resident"
-        elif args["grad_reduction"] == "reduce_scatter":
-            reads = "gathered"
-        else:
-            reads = "local"
+        layout = marker_layout(node)
+        reads = "resident" if layout.reads_resident else "gathered" if layout.gathers else "local"
         param = found.setdefault(idx, Param(args["fqn"], numel, reads, row=row_size(args["full_shape"])))
         param.sites.append(args["fqn"])
     if not found:  # no markers: the graph reads every parameter as it is (stage 1 keeps them full and plain)
@@ -159,7 +153,7 @@ def width_of(value: torch.Tensor, symbol: sympy.Symbol, values: dict) -> sympy.S
 def _tensor_parallel_term(node: fx.Node, index: int, graph: str, sizes: Sizes, degree: int):
     """A comm term and schedule row of DTensor's collective over the tensor-parallel dimension: its input buffer
     (activations or their gradients) as its own size, over ``T`` ranks."""
-    kind = FUNCTIONAL_COLLECTIVES[node.target]
+    kind = collective_of(node.target).kind
     buffer = node.args[0].meta["val"]
     sizes.values[T] = degree
     term = Term("comm", kind, sizes.numel_of(buffer), sympy.Integer(buffer.element_size()), f"{graph}: {node.name}",
@@ -200,9 +194,10 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes,
     for index, node in enumerate(gm.graph.nodes):
         meta = _meta(node)
         kind = meta.get("role")
-        if (kind is None and tensor_parallel and FUNCTIONAL_COLLECTIVES.get(node.target) in COLLECTIVE_ROLES
-                and node.args[-1] in tensor_parallel):
-            term, row = _tensor_parallel_term(node, index, graph, sizes, tensor_parallel[node.args[-1]])
+        collective = collective_of(node.target)
+        if (kind is None and tensor_parallel and collective is not None and collective.kind in COLLECTIVE_ROLES
+                and group_name_of(node) in tensor_parallel):
+            term, row = _tensor_parallel_term(node, index, graph, sizes, tensor_parallel[group_name_of(node)])
             terms.append(term)
             schedule.append(row)
             continue

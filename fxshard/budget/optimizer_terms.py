@@ -10,6 +10,9 @@ import sympy
 import torch
 
 from fxshard.errors import FxShardError
+from fxshard.runtime.optim import sharded_step_of
+from fxshard.runtime.optimizer_record import updating_optimizer
+from fxshard.runtime.param import prepared_param, spec_of
 from fxshard.runtime.sharding import row_size
 
 from .graph_terms import Param, Sizes, width_of
@@ -41,9 +44,6 @@ def optimizer_terms(optimizer, params: list[Param], sizes: Sizes,
     its ``ShardedStep``; none for what a compiled step graph gathers: ``published`` names those parameters), the
     compute copies mixed precision would add where the graph reads the master itself, and the step's schedule
     rows."""
-    from fxshard.runtime.optim import sharded_step_of
-    from fxshard.runtime.param import spec_of
-
     by_name = {p.name: p for p in params}
 
     def count_of(spec) -> sympy.Symbol:
@@ -116,9 +116,6 @@ def optimizer_bytes(optimizer) -> int:
     it updates (the state kinds of ``optimizer_state_kinds``, allocated at the first step), and the tensors it
     updates that are copies of their own, not storage of the model's parameters (stage 1's master shards; stages
     2-3's flat shards are the storage of the leaves)."""
-    from fxshard.runtime.param import prepared_param
-    from fxshard.runtime.optimizer_record import updating_optimizer
-
     total = 0
     for group in updating_optimizer(optimizer).param_groups:
         kinds = optimizer_state_kinds(type(optimizer).__name__, group)

@@ -41,6 +41,9 @@ from torch import fx
 
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import size_hint
+from fxshard.runtime.optimizer_record import updating_optimizer
+from fxshard.runtime.param import module_records, spec_of
+from fxshard.runtime.prepare import materialised_units, sharded_world_size, tensor_parallel_of
 
 from .graph_terms import (
     Param,
@@ -76,8 +79,6 @@ def _names_from_model(model) -> dict[tuple, str]:
     by_id: dict[int, list[str]] = {}
     for site, param in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(site)
-    from fxshard.runtime.param import module_records
-
     for _, laid_out in module_records(model):
         for attr, record in laid_out.params.items():
             site = f"{laid_out.path}.{attr}" if laid_out.path else attr
@@ -90,8 +91,6 @@ def _names_from_model(model) -> dict[tuple, str]:
 
 def _tensor_parallel_groups(model) -> dict[str, int]:
     """{group name: ranks} of the tensor-parallel dimension the model's DTensor parameters lie on ({}: none)."""
-    from fxshard.runtime.prepare import tensor_parallel_of
-
     layouts = [] if model is None else tensor_parallel_of(model)
     return {name: tp.degree for tp in layouts for name in (tp.group_name, tp.dtensor_group_name)}
 
@@ -102,8 +101,6 @@ def _rename(params: dict[int, Param], names: dict[tuple, str], optimizer) -> Non
             param.name = names.get((param.sites[0],), param.name)
     # no markers: name the graph's inputs after the specs, matched by shape
     if optimizer is not None and any(p.reads == "plain" for p in params.values()):
-        from fxshard.runtime.param import spec_of
-
         specs = [spec_of(p) for g in optimizer.param_groups for p in g["params"]]
         for idx, param in list(params.items()):
             if param.reads != "plain":
@@ -134,8 +131,6 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
     Several Dynamo graphs (graph breaks) add their terms; a graph id without a backward (an inference graph)
     contributes only its collectives to the schedule. A compiled ``optimizer.step`` contributes the collectives of
     its graph (of the latest compile, where it was recompiled) in place of the eager step's per-parameter gathers."""
-    from fxshard.runtime.optimizer_record import updating_optimizer
-
     optimizer = None if optimizer is None else updating_optimizer(optimizer)
     names = _names_from_model(model)
     tensor_parallel = _tensor_parallel_groups(model)
@@ -188,8 +183,6 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
         peaks += step_peaks(comm, [t for t in terms if t.section == "memory" and t.item == "gradients"])
         schedule += [{**row, "bytes": sizes_at(t.bytes, sizes.values)} for row, t in zip(rows, comm)]
     if model is not None:
-        from fxshard.runtime.prepare import materialised_units
-
         memory, units = [t for t in terms if t.section == "memory"], materialised_units(model)
         if units:
             largest = max(units, key=units.get)
@@ -207,7 +200,7 @@ def ledger_of_graphs(records, *, world_size: int, optimizer=None, model=None) ->
 
 def graph_ledger(gm: fx.GraphModule, graph: str, world_size: int, optimizer_bytes: int = 0) -> dict:
     """What one lowered graph (of kind ``graph``) needs per rank, in bytes, with ``optimizer_bytes`` kept outside it:
-    ``{"inputs", "peak", "peak_at", "optimizer", "total", "terms": [(item, node, bytes)]}`` (see passes/budget.py)."""
+    ``{"inputs", "peak", "peak_at", "optimizer", "total", "terms": [(item, node, bytes)]}`` (see budget_pass.py)."""
     sizes = Sizes([], world_size)
     held = live_peak(gm, graph, sizes, grads={})
     peak_terms = [t for t in held if t.item != "peak point"]
@@ -225,8 +218,6 @@ def graph_ledger(gm: fx.GraphModule, graph: str, world_size: int, optimizer_byte
 
 def ledger(backend) -> Ledger:
     """The ledger of a backend's compiled step (``backend.prepare`` and one forward/backward run first)."""
-    from fxshard.runtime.prepare import sharded_world_size
-
     if backend.model is None:
         raise FxShardError("the backend has no prepared model: call `model, opt = backend.prepare(model, opt)` and "
                            "run a step through torch.compile(model, backend=backend) first")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -66,17 +67,20 @@ def load_huggingface(model: nn.Module, directory: str | os.PathLike) -> None:
 
 def save_huggingface(model: nn.Module, directory: str | os.PathLike, *, consolidated: bool = True) -> pathlib.Path:
     """Write a prepared ``model``'s weights into ``directory`` as HuggingFace safetensors: with ``consolidated``,
-    full tensors that ``from_pretrained`` reads (and ``config.json`` where the model has a HuggingFace config);
-    else each rank's rows in files of its own, which ``load_huggingface`` reads at any world size. Every rank calls
-    it."""
+    full tensors that ``from_pretrained`` reads (and ``config.json``, ``generation_config.json`` where the model has
+    them), nothing else; else each rank's rows in files of its own, which ``load_huggingface`` reads at any world
+    size. Every rank calls it."""
     directory = pathlib.Path(directory)
     module = prepared_module(model)
     group = checkpoint_group(module)
     state_dict = _stored_once(module, get_model_state_dict(module))
     writer = HuggingFaceStorageWriter(str(directory), save_distributed=True, enable_consolidation=consolidated)
-    dcp.save(state_dict, storage_writer=writer, process_group=group)
-    config = getattr(module, "config", None)
-    if is_first_rank(group) and callable(getattr(config, "save_pretrained", None)):
-        config.save_pretrained(directory)
+    dcp.save(state_dict, storage_writer=writer, process_group=group)  # returns once the files are consolidated
+    if is_first_rank(group):
+        if consolidated:  # DCP writes every rank's rows under directory/sharded first: a second copy of the model
+            shutil.rmtree(writer.path)
+        for settings in (getattr(module, "config", None), getattr(module, "generation_config", None)):
+            if callable(getattr(settings, "save_pretrained", None)):
+                settings.save_pretrained(directory)
     dist.barrier(group=group)
     return directory

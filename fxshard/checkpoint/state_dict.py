@@ -21,7 +21,14 @@ from fxshard.errors import FxShardError
 from fxshard.runtime.optimizer_state_dict import updated_tensors
 from fxshard.runtime.param import module_record, module_records, spec_of
 from fxshard.runtime.prepare import is_prepared
-from fxshard.torch_compat import flatten_optimizer_state_dict, resolve_group
+from fxshard.torch_compat import (
+    child_modules,
+    flatten_optimizer_state_dict,
+    is_persistent_buffer,
+    own_buffers,
+    own_parameters,
+    resolve_group,
+)
 
 
 # -- get / set, keyed by parameter name -------------------------------------------------------------------------------
@@ -155,13 +162,13 @@ def _expected_model_entries(module: nn.Module) -> dict[str, tuple[int, ...]]:
 
     def visit(mod: nn.Module, prefix: str) -> None:
         records = laid_out.params if (laid_out := module_record(mod)) is not None else {}
-        for name, param in mod._parameters.items():
+        for name, param in own_parameters(mod).items():
             if param is not None:
                 entries[prefix + name] = records[name].spec.global_shape if name in records else tuple(param.shape)
-        for name, buffer in mod._buffers.items():
-            if buffer is not None and name not in mod._non_persistent_buffers_set:
+        for name, buffer in own_buffers(mod).items():
+            if buffer is not None and is_persistent_buffer(mod, name):
                 entries[prefix + name] = tuple(buffer.shape)
-        for name, child in mod._modules.items():
+        for name, child in child_modules(mod).items():
             if child is not None:
                 visit(child, f"{prefix}{name}.")
 

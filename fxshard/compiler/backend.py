@@ -13,13 +13,22 @@ import torch
 from torch import fx, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fxshard import budget
 from fxshard import passes as P
+from fxshard.budget import budget_pass
 from fxshard.budget.optimizer_terms import optimizer_bytes
 from fxshard.errors import FxShardError
 from fxshard.passes import PassContext
-from fxshard.passes.context import COLLECTIVE_TIMEOUT_S, DDP_BUCKET_BYTES, default_bucket
+from fxshard.passes.context import DDP_BUCKET_BYTES, default_bucket
+from fxshard.report.chrome_trace import write_chrome_trace
+from fxshard.report.tables import collective_report, ledger_report
 from fxshard.report.trace import trace_choice
-from fxshard.runtime.groups import explaining_peer_failures, scatters_by_all_to_all, secondary_group
+from fxshard.runtime.groups import (
+    COLLECTIVE_TIMEOUT_S,
+    explaining_peer_failures,
+    scatters_by_all_to_all,
+    secondary_group,
+)
 from fxshard.runtime.optim import (
     annotate_optimizer_graph,
     clip_grad_norm_,
@@ -28,17 +37,12 @@ from fxshard.runtime.optim import (
     mark_published,
     shard_optimizer_over,
 )
-from fxshard.runtime.param import prepared_param, spec_of
-from fxshard.runtime.step_clock import FORWARD, StepClock
-from fxshard.runtime.prepare import (
-    grad_sync_of,
-    shard_parameters,
-    sharded_world_size,
-    tensor_parallel_of,
-)
 from fxshard.runtime.optimizer_record import updating_optimizer
+from fxshard.runtime.param import prepared_param, spec_of
+from fxshard.runtime.prepare import grad_sync_of, shard_parameters, sharded_world_size, tensor_parallel_of
+from fxshard.runtime.step_clock import FORWARD, StepClock
 from fxshard.simulate import autotune
-from fxshard.simulate.simulator import Machine, default_machine
+from fxshard.simulate.simulator import Machine, default_machine, simulate
 from fxshard.torch_compat import aot_module_simplified, make_boxed_func, min_cut_rematerialization_partition
 
 from .blocks import block_prefixes, describe_grouping, repeated_blocks
@@ -55,6 +59,23 @@ from .options import (
     secondary_size,
 )
 from .pipeline import GraphRecord, Pass, run_passes
+
+@contextlib.contextmanager
+def _torch_recursion_explained():
+    """A RecursionError out of AOT autograd's trace names torch's part and the known workaround: torch 2.13 runs out
+    of recursion tracing a tensor-parallel (DTensor) model recompiled for a new input size with dynamic shapes, as
+    plain ``torch.compile(backend="aot_eager")`` does (docs/known-issues.md)."""
+    try:
+        yield
+    except RecursionError as error:
+        raise FxShardError(
+            "torch's AOT autograd ran out of Python recursion tracing this graph's forward and backward (inside "
+            "torch, before any fxshard pass). Known case: a tensor-parallel model (DTensor parameters) compiled "
+            "again for a new input size with dynamic shapes, which plain torch.compile(backend=\"aot_eager\") hits "
+            "too. Compile with torch.compile(model, backend=backend, dynamic=False): a graph per input size "
+            "(docs/known-issues.md#torch-213-a-tensor-parallel-model-recompiled-for-a-new-size-exceeds-the-recursion-limit)"
+        ) from error
+
 
 # Every tensor a backend's prepare laid out (trainable leaves, the optimizer's shards) -> that backend, weakly;
 # the prepared model keeps its backend alive (an attribute), so the entry lives as long as the model does.
@@ -85,7 +106,7 @@ def default_passes() -> list[Pass]:
     DTensor's tensor-parallel collectives onto fxshard's one-worker gloo twin of their group.
     """
     return [P.shard_optimizer_pass, P.recompute_gathers_pass, P.merge_tied_grads_pass, P.bucket_pass,
-            P.lower_collectives_pass, P.prefetch_pass, P.budget_pass, P.twin_groups_pass]
+            P.lower_collectives_pass, P.prefetch_pass, budget_pass, P.twin_groups_pass]
 
 
 class Backend:
@@ -236,6 +257,9 @@ class Backend:
             grad_sync.enabled = True
             grad_sync.local_grads_pending = True
 
+    def __repr__(self) -> str:  # what torch's errors name the backend by
+        return f"fxshard.backend(stage={self.stage}, compiler={self.compiler!r})"
+
     # -- compiling ----------------------------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs, **_):
         specs = self._check_inputs(gm, example_inputs)
@@ -261,7 +285,7 @@ class Backend:
             gm = self._run(context, graph_id, "optimizer", gm)
         inductor = InductorCompiler(gm, example_inputs) if self.compiler == "inductor" else None
         compile_graph = functools.partial(self._compile_graph, context, graph_id, inductor)
-        with inductor.around_aot() if inductor else contextlib.nullcontext():
+        with inductor.around_aot() if inductor else contextlib.nullcontext(), _torch_recursion_explained():
             compiled = aot_module_simplified(
                 gm,
                 example_inputs,
@@ -371,9 +395,6 @@ class Backend:
         around several with ``mark_step()`` after each: the last one counts) gives them,
         and the collective schedule; ``format="json"`` for tools. Before a forward and backward ran, or without an
         optimizer, only the collectives of the graphs compiled so far."""
-        from fxshard import budget
-        from fxshard.report.tables import collective_report, ledger_report
-
         grouping = describe_grouping(self.knobs["bucket"], self._block_names())
         if self.model is None or self.optimizer is None or not any(r.kind == "backward" for r in self.graphs):
             text = f"{grouping}\n{collective_report(self.graphs)}"
@@ -392,9 +413,6 @@ class Backend:
         sharded over; on a hybrid mesh its shard dimension);
         ``machine``: a ``fxshard.simulate.Machine`` (e.g. from ``calibrate``). Returns the ``Timeline``."""
         import torch.distributed as dist
-
-        from fxshard.report.chrome_trace import write_chrome_trace
-        from fxshard.simulate.simulator import simulate
 
         sharded_over = sharded_world_size(self.model) if self.model is not None else None
         timeline = simulate(self, world or sharded_over or dist.get_world_size(self.group), machine=machine)

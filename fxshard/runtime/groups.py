@@ -28,6 +28,7 @@ import torch.distributed as dist
 from fxshard.errors import FxShardError
 from fxshard.torch_compat import gloo_threads, gloo_with_options, is_backend_registered, resolve_group
 
+COLLECTIVE_TIMEOUT_S = 30.0  # how long a rank waits for its peers in one of fxshard's collectives
 ONE_THREAD_GLOO = "fxshard_gloo"  # the name the one-worker-thread gloo backend is registered under
 
 
@@ -110,8 +111,8 @@ def gloo_worker_threads(group_name: str) -> int | None:
 def scatters_by_all_to_all(group_name: str) -> bool:
     """Whether fxshard reduce-scatters over the group named ``group_name`` as an all-to-all and a local sum: on gloo,
     whose own reduce-scatter all-reduces the whole buffer and keeps a slice (twice a reduce-scatter's traffic and
-    reduction work: over 2 ranks of one machine, 7.2 MiB took 10.7 ms against 5.1-5.9 ms for the all-to-all and
-    the sum, bit for bit the same result). False for any other backend and a group that no longer resolves."""
+    reduction work, for bit for bit the same result; timed in docs/architecture.md). False for any other backend
+    and a group that no longer resolves."""
     try:
         return gloo_worker_threads(group_name) is not None
     except (RuntimeError, ValueError):

@@ -32,7 +32,7 @@ from fxshard.errors import FxShardError
 from fxshard.torch_compat import resolve_group
 
 from .ops import unshard
-from .sharding import ShardSpec, row_size, shard_of
+from .sharding import MarkerLayout, ShardSpec, row_size, shard_of
 from .tensor_parallel import as_tensor_parallel, global_value, local_value
 
 
@@ -40,7 +40,7 @@ def gather_full(shard: torch.Tensor, spec: ShardSpec, dtype: torch.dtype | None 
     """The full-shape value of a shard (flat, or the DTensor of this rank's rows; a collective: every rank of the
     group must call it), in ``dtype`` (cast before the gather, so it moves ``dtype`` bytes) or the shard's own."""
     return unshard(flat_shard(shard, spec).detach(), None, list(spec.full_shape), spec.world_size, spec.group_name,
-                   spec.name, "reduce_scatter", dtype)
+                   spec.name, MarkerLayout.GATHER.value, dtype)
 
 
 _MESHES: dict[tuple[str, str], tuple[object, DeviceMesh]] = {}  # (group name, device type) -> (group, its mesh)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxshard.errors import FxShardError
+from fxshard.torch_compat import own_buffers, own_parameters
 
 InitFn = Callable[[nn.Module], None]
 
@@ -132,9 +133,9 @@ def materialise_unit_by_unit(model: nn.Module, init: InitFn | None,
             pending.clear()
     except BaseException:
         for slot in pending:
-            (slot.module._parameters if slot.is_param else slot.module._buffers)[slot.name] = slot.meta
+            (own_parameters(slot.module) if slot.is_param else own_buffers(slot.module))[slot.name] = slot.meta
         for module, name, meta in replaced_buffers:
-            module._buffers[name] = meta
+            own_buffers(module)[name] = meta
         raise
     return held
 
@@ -174,7 +175,7 @@ def _materialised(module: nn.Module, path: str, pending: list[_Slot], kept: set[
     pending slots shares its real tensor; one whose first owner's unit is done gets a scratch copy."""
     prefix = f"{path}." if path else ""
     slots = []
-    for is_param, tensors in ((True, module._parameters), (False, module._buffers)):
+    for is_param, tensors in ((True, own_parameters(module)), (False, own_buffers(module))):
         for name, meta in list(tensors.items()):
             if meta is None or not meta.is_meta:
                 continue
@@ -218,11 +219,11 @@ def _finish_unit(slots: list[_Slot], init: InitFn | None, keep, device, replaced
             raise _unwritten(slot, init)
     for slot in slots:
         if slot.is_param:
-            slot.module._parameters[slot.name] = slot.meta
+            own_parameters(slot.module)[slot.name] = slot.meta
             if slot.keeps:
                 keep(slot.meta, slot.real.to(device))
         else:
-            slot.module._buffers[slot.name] = slot.real.to(device)
+            own_buffers(slot.module)[slot.name] = slot.real.to(device)
             replaced_buffers.append((slot.module, slot.name, slot.meta))
 
 

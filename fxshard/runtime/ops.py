@@ -8,10 +8,11 @@ real work, so a prepared model also runs uncompiled.
 The ops do not know the ZeRO stage; their arguments say how the parameter is laid out, and each stage is a choice
 of layout made by ``prepare``:
 
-- ``local`` is what this rank trains: the flat shard (``grad_reduction="reduce_scatter"``, stages 2 and 3) or the
-  full parameter (``"all_reduce"``, stage 0; ``"none"`` under ``no_sync``, where gradients accumulate locally);
-- ``resident`` is a full copy kept between steps (stage 2), or None when the full value must be gathered from
-  the shards (stage 3) or is ``local`` itself (stage 0);
+- ``layout`` (a ``MarkerLayout`` value, ``fxshard/runtime/sharding.py``) says how: ``"gather"`` (stage 3: ``local``
+  is the flat shard, gathered per use, the gradient reduce-scattered), ``"resident"`` (stage 2: ``resident`` is a
+  full copy kept between steps, ``local`` the flat shard), ``"replicated"`` (stage 0: ``local`` is the full
+  parameter, its gradient all-reduced) or ``"kept_local"`` (stage 0 under ``no_sync``: the gradient stays here);
+- ``local`` is what this rank trains; ``resident`` the full copy (``"resident"``), else None;
 - ``fqn`` names the parameter at its use site (``"blocks.0.attn.qkv.weight"``): the passes group markers into
   units by its module part. A tied parameter used by two modules gets one marker per use site;
 - ``replicate_group_name`` (hybrid sharding on a 2-D mesh, else ""): after the reduce-scatter over the shard group
@@ -32,9 +33,7 @@ import torch
 from fxshard.torch_compat import c10d_functional as _c10d
 
 from .groups import peer_failures_explained, scatters_by_all_to_all
-from .sharding import chunk_size
-
-GRAD_REDUCTIONS = ("reduce_scatter", "all_reduce", "none")
+from .sharding import MarkerLayout, chunk_size
 
 
 def flat_padded(full: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -74,16 +73,16 @@ def unshard(
     world_size: int,
     group_name: str,
     fqn: str,
-    grad_reduction: str,
+    layout: str,
     compute_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     replicate_size: int = 1,
     replicate_group_name: str = "",
 ) -> torch.Tensor:
     """The parameter in its full shape: the resident copy, the full ``local`` itself, or the gathered shards."""
-    if resident is not None:
+    if MarkerLayout(layout).reads_resident:
         return cast_to(resident, compute_dtype).clone()
-    if grad_reduction != "reduce_scatter":
+    if not MarkerLayout(layout).gathers:
         return cast_to(local, compute_dtype).clone()
     shard = cast_to(local, compute_dtype).contiguous()
     with peer_failures_explained(f"the all-gather of {fqn}"):
@@ -92,9 +91,10 @@ def unshard(
 
 
 @unshard.register_fake
-def _(local, resident, full_shape, world_size, group_name, fqn, grad_reduction, compute_dtype=None, reduce_dtype=None,
+def _(local, resident, full_shape, world_size, group_name, fqn, layout, compute_dtype=None, reduce_dtype=None,
       replicate_size=1, replicate_group_name=""):
-    return local.new_empty(full_shape, dtype=compute_dtype or (local if resident is None else resident).dtype)
+    return local.new_empty(full_shape, dtype=compute_dtype or (resident if MarkerLayout(layout).reads_resident
+                                                               else local).dtype)
 
 
 @torch.library.custom_op("fxshard::reduce_grad", mutates_args=())
@@ -103,19 +103,20 @@ def reduce_grad(
     world_size: int,
     group_name: str,
     fqn: str,
-    grad_reduction: str,
+    layout: str,
     reduce_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
     replicate_size: int = 1,
     replicate_group_name: str = "",
 ) -> torch.Tensor:
     """Average a full-shape gradient over the ranks: this rank's flat shard of it (averaged over the shard group,
-    then over the replicas of the shard), or all of it (or keep it local)."""
+    then over the replicas of the shard), or all of it (or keep it local), as ``layout`` says."""
     grad = cast_to(full_grad, reduce_dtype)
-    if grad_reduction == "none":
+    collective = MarkerLayout(layout).gradient_collective
+    if collective is None:
         return cast_to(grad.contiguous().clone(), grad_dtype)
     with peer_failures_explained(f"the gradient reduction of {fqn}"):
-        if grad_reduction == "all_reduce":
+        if collective == "all_reduce":
             reduced = _c10d.wait_tensor(_c10d.all_reduce(grad.contiguous(), "avg", group_name))
         else:
             reduced = reduce_scatter_mean(flat_padded(grad, world_size), world_size, group_name, replicate_group_name)
@@ -123,22 +124,22 @@ def reduce_grad(
 
 
 @reduce_grad.register_fake
-def _(full_grad, world_size, group_name, fqn, grad_reduction, reduce_dtype=None, grad_dtype=None, replicate_size=1,
+def _(full_grad, world_size, group_name, fqn, layout, reduce_dtype=None, grad_dtype=None, replicate_size=1,
       replicate_group_name=""):
     dtype = grad_dtype or reduce_dtype or full_grad.dtype
-    if grad_reduction != "reduce_scatter":
+    if MarkerLayout(layout).gradient_collective != "reduce_scatter":
         return torch.empty_like(full_grad, dtype=dtype, memory_format=torch.contiguous_format)
     return full_grad.new_empty(chunk_size(full_grad.shape, world_size), dtype=dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output):
-    (local, _, _, ctx.world_size, ctx.group_name, ctx.fqn, ctx.grad_reduction, _, ctx.reduce_dtype,
+    (local, _, _, ctx.world_size, ctx.group_name, ctx.fqn, ctx.layout, _, ctx.reduce_dtype,
      ctx.replicate_size, ctx.replicate_group_name) = inputs
     ctx.local_dtype = local.dtype
 
 
 def _unshard_backward(ctx, grad_full):
-    grad_local = reduce_grad(grad_full, ctx.world_size, ctx.group_name, ctx.fqn, ctx.grad_reduction,
+    grad_local = reduce_grad(grad_full, ctx.world_size, ctx.group_name, ctx.fqn, ctx.layout,
                              ctx.reduce_dtype, ctx.local_dtype, ctx.replicate_size, ctx.replicate_group_name)
     return grad_local, None, None, None, None, None, None, None, None, None, None
 

@@ -24,8 +24,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxshard.errors import FxShardError
-from fxshard.passes.fx_utils import unit_of
-from fxshard.torch_compat import ConstantSource, after_grad_scaler_inf_check, total_norm_from
+from fxshard.torch_compat import (
+    ConstantSource,
+    after_grad_scaler_inf_check,
+    name_parameter_source,
+    tensor_version,
+    total_norm_from,
+    view_base,
+)
 from fxshard.torch_compat import c10d_functional as _c10d
 
 from . import optimizer_state_dict
@@ -40,7 +46,7 @@ from .optimizer_record import (
     steps_inside_another,
     updating_optimizer,
 )
-from .sharding import ShardSpec, pack_greedily, shard_of, unpad
+from .sharding import ShardSpec, pack_greedily, shard_of, unit_of, unpad
 from .step_clock import INF_CHECK, NORM
 
 # Optimizers whose update is elementwise, so running them on flat shards equals running them on full tensors.
@@ -313,7 +319,7 @@ class ShardedStep:
     @torch.no_grad()
     @peer_failures_explained("optimizer.step()")
     def publish_parameters(self, optimizer=None, args=None, kwargs=None) -> None:
-        pending = [shard for shard in self.shards() if _PUBLISHED_AT_VERSION.get(shard) != shard._version]
+        pending = [shard for shard in self.shards() if _PUBLISHED_AT_VERSION.get(shard) != tensor_version(shard)]
         for bucket in self.buckets("all_gather", pending):
             _gather_into_full_copies(bucket)
 
@@ -325,7 +331,7 @@ def flat_gradient(grad: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     if not isinstance(grad, DTensor):
         return grad
     rows = grad.to_local()
-    base = rows._base
+    base = view_base(rows)
     if base is not None and base.dim() == 1 and base.numel() == spec.chunk and rows.data_ptr() == base.data_ptr():
         return base
     return flat_shard(grad, spec)
@@ -633,8 +639,7 @@ def annotate_optimizer_graph(gm: torch.fx.GraphModule, example_inputs) -> list[t
         if full is not None:
             name = f"_fxshard_publish_{len(published)}"
             gm.register_buffer(name, full)
-            if hasattr(gm, "_param_name_to_source"):  # AOT asks Dynamo's record where each attribute came from
-                gm._param_name_to_source[name] = ConstantSource(f"fxshard_full_copy_of_{spec.name}")
+            name_parameter_source(gm, name, ConstantSource(f"fxshard_full_copy_of_{spec.name}"))
             node.meta["fxshard"]["publish_into"] = name
             published.append(shard)
     gm.meta["fxshard_optimizer"] = bool(updated)
@@ -644,4 +649,4 @@ def annotate_optimizer_graph(gm: torch.fx.GraphModule, example_inputs) -> list[t
 def mark_published(shards: list[torch.Tensor]) -> None:
     """A compiled step just gathered these shards into their full copies."""
     for shard in shards:
-        _PUBLISHED_AT_VERSION[shard] = shard._version
+        _PUBLISHED_AT_VERSION[shard] = tensor_version(shard)

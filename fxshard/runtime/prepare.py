@@ -37,10 +37,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fxshard.errors import FxShardError
-from fxshard.passes.context import COLLECTIVE_TIMEOUT_S
-from fxshard.torch_compat import tree_map
+from fxshard.torch_compat import intercept_conversions, own_buffers, own_parameters, tree_map
 
-from .groups import collective_group, group_over, peer_failures_explained
+from .groups import COLLECTIVE_TIMEOUT_S, collective_group, group_over, peer_failures_explained
 from .layout import (
     as_leaf_value,
     full_from_value,
@@ -64,7 +63,7 @@ from .param import (
     register_replaced,
     spec_of,
 )
-from .sharding import ShardSpec, shard_of
+from .sharding import MarkerLayout, ShardSpec, shard_of
 from .step_clock import StepClock
 from .tensor_parallel import (
     TensorParallel,
@@ -107,7 +106,7 @@ def is_prepared(model: nn.Module) -> bool:
 
 
 def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
-    local = module._parameters[name]
+    local = own_parameters(module)[name]
     laid_out = module_record(module)
     record = laid_out.params[name]
     spec = record.spec
@@ -123,14 +122,14 @@ def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
         full = local
     else:
         fqn = f"{laid_out.path}.{name}" if laid_out.path else name
-        resident = module._buffers.get(_RESIDENT + name)  # (read before the flat shard: the graph's input order)
+        resident = own_buffers(module).get(_RESIDENT + name)  # (read before the flat shard: the graph's input order)
         read = local if record.flat is None else record.flat  # what the collectives move: stages 2, 3's flat shard
         if read is not local and not local.requires_grad:  # frozen after prepare: its flat shard gets no gradient
             read = read.detach()
-        grad_reduction = spec.grad_reduction
+        layout = spec.marker_layout
         if spec.stage == 0 and not laid_out.grad_sync.enabled:  # Dynamo guards on it: a graph per setting
-            grad_reduction = "none"
-        full = unshard(read, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, grad_reduction,
+            layout = MarkerLayout.KEPT_LOCAL
+        full = unshard(read, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, layout.value,
                        spec.param_dtype, spec.reduce_dtype, spec.replicate_size, spec.replicate_group_name)
     return full if spec.tensor_parallel is None else as_tensor_parallel(full, spec.tensor_parallel)
 
@@ -171,7 +170,7 @@ def _state_dict_values(module, state_dict, prefix, local_metadata):
     with peer_failures_explained(_STATE_DICT_IS_COLLECTIVE):
         for name, record in module_record(module).params.items():
             if prefix + name in state_dict:
-                state_dict[prefix + name] = _saved_value(module._parameters[name], record.spec)
+                state_dict[prefix + name] = _saved_value(own_parameters(module)[name], record.spec)
 
 
 def _load_state_dict_shard(module, state_dict, prefix, *args):
@@ -181,11 +180,11 @@ def _load_state_dict_shard(module, state_dict, prefix, *args):
         spec, key = record.spec, prefix + name
         if key not in state_dict:
             continue
-        value, param = state_dict[key], module._parameters[name]
+        value, param = state_dict[key], own_parameters(module)[name]
         with torch.no_grad():
             if spec.trains_shard:
                 shard = shard_from_value(value, spec, param.dtype, key)
-                resident = module._buffers.get(_RESIDENT + name)
+                resident = own_buffers(module).get(_RESIDENT + name)
                 if resident is not None:  # a full tensor is copied as it is; a DTensor's rows are gathered
                     full = (gather_full(shard, spec, resident.dtype) if isinstance(value, DTensor)
                             else full_from_value(value, spec, key))
@@ -208,7 +207,7 @@ def _refuse_conversion(module: nn.Module, fn, recurse: bool = True):
     it already has) converts the buffers only: a DTensor leaf cannot be swapped in place (torch's ``_apply`` would
     try)."""
     changed = next((record for m, laid_out in module_records(module) for name, record in laid_out.params.items()
-                    if m._parameters[name] is not None and fn(m._parameters[name]) is not m._parameters[name]), None)
+                    if (param := own_parameters(m)[name]) is not None and fn(param) is not param), None)
     if changed is not None:
         spec = changed.spec
         raise FxShardError(
@@ -217,9 +216,9 @@ def _refuse_conversion(module: nn.Module, fn, recurse: bool = True):
             "silently stop updating what forward reads; convert the model before backend.prepare(model, optimizer)"
         )
     for owner in module.modules() if recurse else [module]:
-        for name, buffer in owner._buffers.items():
+        for name, buffer in own_buffers(owner).items():
             if buffer is not None:
-                owner._buffers[name] = fn(buffer)
+                own_buffers(owner)[name] = fn(buffer)
     return module
 
 
@@ -304,7 +303,7 @@ def _specs_by_parameter(model: nn.Module, spec_for) -> dict[int, tuple[nn.Parame
     in module order (a tied parameter is one entry)."""
     specs: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        for name, param in module._parameters.items():
+        for name, param in own_parameters(module).items():
             if param is not None and id(param) not in specs:
                 specs[id(param)] = (param, spec_for(f"{path}.{name}" if path else name, param))
     return specs
@@ -361,7 +360,7 @@ def shard_parameters(
         # under tensor parallelism every rank initialises each parameter whole and keeps its tp piece: all alike
         share_random_state([every] if tensor_parallel else synced_over, device)
         # Every shard allocated before any module is materialised: a full parameter freed below a shard allocated
-        # after it would leave a hole the allocator keeps (glibc: a 418 MiB GPT at world 4 peaked 50-200 MiB higher)
+        # after it would leave a hole the allocator keeps (glibc), and the prepare peak would exceed the ledger's
         shards = {key: torch.empty(spec.chunk, dtype=param.dtype, device=device)
                   for key, (param, spec) in specs.items() if spec.trains_shard}
 
@@ -389,16 +388,16 @@ def shard_parameters(
         first = next(iter(leaves.values()))
         grad_sync.clock = StepClock(spec_of(first).all_ranks_group_name, local_tensor(first).device)
     for path, module in model.named_modules(remove_duplicate=False):
-        owned = {n: p for n, p in module._parameters.items() if p is not None}
+        owned = {n: p for n, p in own_parameters(module).items() if p is not None}
         if not owned or module_record(module) is not None:
             continue
         attach(module, ModuleRecord(path, {name: records[id(param)] for name, param in owned.items()}, grad_sync))
         if stage >= 1:
-            module.__dict__["_apply"] = functools.partial(_refuse_conversion, module)
+            intercept_conversions(module, functools.partial(_refuse_conversion, module))
         module.register_state_dict_post_hook(_state_dict_values)
         module.register_load_state_dict_pre_hook(_load_state_dict_shard)
         for name, param in owned.items():
-            module._parameters[name] = leaves[id(param)]  # the parameter itself, unless sharded or born on meta
+            own_parameters(module)[name] = leaves[id(param)]  # the parameter itself, unless sharded or born on meta
         if stage == 1 and not any(spec_of(leaves[id(p)]).tensor_parallel for p in owned.values()):
             continue  # no marker: the parameters stay the leaves, read directly
         for name, param in owned.items():

@@ -19,6 +19,7 @@ The cost: a flat shard's update runs on elements, not on a matrix, so optimizers
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 from typing import TYPE_CHECKING
@@ -29,6 +30,43 @@ from fxshard.errors import FxShardError
 
 if TYPE_CHECKING:
     from .tensor_parallel import TensorParallel
+
+
+ROOT_UNIT = "root"  # the unit of a parameter the model itself owns
+
+
+class MarkerLayout(str, enum.Enum):
+    """How a marker (``fxshard.unshard`` / ``fxshard.reduce_grad``) finds a parameter's full value and returns its
+    gradient: the one value the marker ops, the passes and the ledger read, through the properties below. A marker
+    carries it as its ``layout`` argument, as the plain string (``.value``)."""
+
+    GATHER = "gather"  # ``local`` is this rank's flat shard; each use all-gathers it (stage 3)
+    RESIDENT = "resident"  # a full copy kept between steps is read (stage 2); ``local`` is the flat shard
+    REPLICATED = "replicated"  # ``local`` is the full parameter; its gradient is all-reduced (stage 0)
+    KEPT_LOCAL = "kept_local"  # ``local`` is the full parameter; its gradient stays on this rank (``no_sync``)
+
+    @property
+    def gathers(self) -> bool:
+        """Whether the full value is all-gathered from the shards where it is used."""
+        return self is MarkerLayout.GATHER
+
+    @property
+    def reads_resident(self) -> bool:
+        return self is MarkerLayout.RESIDENT
+
+    @property
+    def gradient_collective(self) -> str | None:
+        """The collective that averages the gradient: ``"reduce_scatter"`` into the shard, ``"all_reduce"`` of all
+        of it, or None (it stays local)."""
+        return {MarkerLayout.GATHER: "reduce_scatter", MarkerLayout.RESIDENT: "reduce_scatter",
+                MarkerLayout.REPLICATED: "all_reduce"}.get(self)
+
+
+
+def unit_of(fqn: str) -> str:
+    """The module that uses a parameter: ``"blocks.0.attn.qkv.weight"`` -> ``"blocks.0.attn.qkv"``; a parameter of
+    the model itself (``"scale"``) belongs to the unit ``"root"``."""
+    return fqn.rpartition(".")[0] or ROOT_UNIT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +117,10 @@ class ShardSpec:
         return self.global_shape if self.full_shape else (self.chunk,)
 
     @property
-    def grad_reduction(self) -> str:
-        """How the marker's backward reduces the full gradient: into the shard, or all of it (stage 0)."""
-        return "reduce_scatter" if self.trains_shard else "all_reduce"
+    def marker_layout(self) -> MarkerLayout:
+        """The layout its markers carry: gathered per use (stage 3), resident (stage 2), the full parameter with
+        its gradient all-reduced (stages 0, 1; stage 1 reads its parameters without markers)."""
+        return {3: MarkerLayout.GATHER, 2: MarkerLayout.RESIDENT}.get(self.stage, MarkerLayout.REPLICATED)
 
     @property
     def numel(self) -> int:

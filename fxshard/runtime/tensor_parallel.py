@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement
 
 from fxshard.errors import FxShardError
-from fxshard.torch_compat import concatenate_meshes, strided_shard
+from fxshard.torch_compat import concatenate_meshes, own_parameters, strided_shard
 
 from .groups import collective_group
 
@@ -121,7 +121,7 @@ def tensor_parallel_layouts(model: nn.Module, mesh: DeviceMesh | None,
                                "tensor-parallel parameters, and keeps buffers as plain tensors: make it a plain one")
     layouts: dict[int, TensorParallel] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        for name, param in module._parameters.items():
+        for name, param in own_parameters(module).items():
             if isinstance(param, DTensor) and id(param) not in layouts:
                 layouts[id(param)] = _tensor_parallel_of(f"{path}.{name}" if path else name, param, shard_mesh,
                                                          timeout_s)

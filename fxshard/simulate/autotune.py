@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from torch import fx
 
 from fxshard.budget.step_ledger import graph_ledger
-from fxshard.compiler.pipeline import Pass, trial_run
 from fxshard.passes import PassContext
+from fxshard.passes.trial import Pass, trial_run
 
 from .simulator import Machine, simulate_graph
 

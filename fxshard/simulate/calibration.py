@@ -16,13 +16,14 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from fxshard.compiler.pipeline import copied_graph
 from fxshard.errors import FxShardError
 from fxshard.passes.cost_model import node_flops
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES, size_hint
+from fxshard.passes.fx_utils import size_hint
+from fxshard.passes.trial import copied_graph
+from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT
 from fxshard.torch_compat import c10d_functional
 
-from .simulator import WAIT, Machine, collective_role, compute_nodes, compute_seconds, graphs_of, simulate
+from .simulator import Machine, collective_role, compute_nodes, compute_seconds, graphs_of, simulate
 
 # -- calibration: fits (pure, testable on synthetic timings) ---------------------------------------------------
 

@@ -40,15 +40,17 @@ import sympy
 import torch
 from torch import fx
 
+from fxshard.budget import Ledger, R
+from fxshard.budget import ledger as ledger_of
 from fxshard.budget.symbols import N
 from fxshard.errors import FxShardError
 from fxshard.passes.cost_model import node_flops, tensor_bytes
-from fxshard.passes.fx_utils import COLLECTIVE_ROLES, aliases_its_input, replica_ranks, size_hint
+from fxshard.passes.fx_utils import aliases_its_input, replica_ranks, size_hint
 from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_nodes, packing_saves, wire_bytes
-from fxshard.torch_compat import c10d_functional
+from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT, collective_of
+from fxshard.runtime.groups import scatters_by_all_to_all
+from fxshard.runtime.param import spec_of
 
-WAIT = c10d_functional.wait_tensor.default
-ALL_TO_ALL = c10d_functional.all_to_all_single.default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +89,7 @@ class Machine:
     host: the kernel copies every byte through its sockets). The rest holds the compute stream as well."""
     all_to_all_bandwidth: float | None = None
     """Bytes/s per rank of an all-to-all: fxshard's reduce-scatter on gloo and every quantized one, each rank
-    sending its rows to every peer at once (gloo on one host moves them 1.3-1.6x as fast as an all-gather's); None:
+    sending its rows to every peer at once (gloo on one host moves them faster than an all-gather's); None:
     ``bandwidth``."""
 
     def across_replicas(self) -> Machine:
@@ -106,11 +108,10 @@ class Machine:
 
 GLOO_ON_CPU = Machine(flops_per_s=8.75e10, memory_bandwidth=1.0e10, bandwidth=9.75e8, latency=0.0,
                       collective_overhead=2.1e-3, op_overhead=9.0e-6, overlap=0.48, all_to_all_bandwidth=1.27e9)
-"""gloo between processes of one host, one CPU thread per rank: ``calibrate`` on a 2-core x86 VM, 2 ranks, the
-benchmark GPT at stage 3 (docs/simulate.md, 2026-12-06). What sets it apart: the per-collective overhead (about
-2 ms), an all-to-all a third faster than an all-gather, less than half of a collective's time hidden by compute
-(the rest takes the cores compute runs on), and the model's own matmuls at about half the FLOP/s of 512x512
-squares."""
+"""gloo between processes of one host, one CPU thread per rank: what ``calibrate`` measured on 2 ranks with the
+benchmark GPT at stage 3 (the machine, the date and how close its predictions came: docs/simulate.md). What sets it
+apart: a per-collective overhead far above the per-hop latency, an all-to-all faster than an all-gather, less than
+half of a collective's time hidden by compute (the rest takes the cores compute runs on)."""
 
 NCCL_ON_GPU = Machine(flops_per_s=5e13, memory_bandwidth=2e12, bandwidth=5e10, latency=5e-6,
                       collective_overhead=2e-5)
@@ -260,7 +261,7 @@ def _priced(node: fx.Node, role: str, name: str, world: int, machine: Machine, w
     compute stream) of a collective, ``what_if``'s options applied."""
     full = _full_bytes(node, role)
     meta = node.meta.get("fxshard", {})
-    kind = "all_to_all" if node.target is ALL_TO_ALL else role
+    kind = collective_of(node.target).kind
     ranks, ring = _ring(replica_ranks(node), world, machine)
     if meta.get("across") == "secondary":
         ranks, ring = meta["ranks"], machine.inside_node()
@@ -322,9 +323,6 @@ def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, 
 def _scatters_by_all_to_all(model) -> bool:
     """Whether the optimizer step reduce-scatters ``model``'s gradients as an all-to-all and a local sum (its
     parameters' group is gloo's: ``fxshard.runtime.groups.scatters_by_all_to_all``)."""
-    from fxshard.runtime.groups import scatters_by_all_to_all
-    from fxshard.runtime.param import spec_of
-
     spec = next((spec for p in model.parameters() if (spec := spec_of(p)) is not None), None)
     return spec is not None and scatters_by_all_to_all(spec.group_name)
 
@@ -340,9 +338,6 @@ def graphs_of(source) -> tuple[list[tuple[str, fx.GraphModule]], list[tuple[str,
     update writes on ``world`` ranks (a function of it): each element it updates reads and writes its master and
     state and reads its gradient (3 x the master's bytes + 2 x the state's, from the ledger), and each step
     collective writes its bucket's input and output."""
-    from fxshard.budget import Ledger, R
-    from fxshard.budget import ledger as ledger_of
-
     if isinstance(source, fx.GraphModule):
         return [("graph", source)], [], _no_update
     if isinstance(source, (list, tuple)) and all(isinstance(g, fx.GraphModule) for g in source):

@@ -1,4 +1,7 @@
-"""budget: the memory ledger of one lowered graph, recorded on it, and the ``memory_budget`` knob enforced.
+"""budget_pass: the memory ledger of one lowered graph, recorded on it, and the ``memory_budget`` knob enforced.
+
+The one pass that lives with the ledger rather than in ``fxshard.passes``: it reads the ledger, and the ledger reads
+what the passes leave on a graph.
 
 Assumes: a lowered ``forward`` / ``backward`` / ``inference`` graph whose nodes carry ``meta["val"]`` (collectives
 and their buffers carry ``meta["fxshard"]`` roles, as ``lower_collectives_pass`` leaves them). Run it last: it
@@ -20,10 +23,10 @@ from __future__ import annotations
 from tabulate import tabulate
 from torch import fx
 
-from fxshard.budget import graph_ledger
 from fxshard.errors import FxShardError
+from fxshard.passes import PassContext
 
-from .context import PassContext
+from .step_ledger import graph_ledger
 
 
 def budget_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

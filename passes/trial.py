@@ -1,0 +1,35 @@
+"""What a list of passes makes of a graph, on a copy that leaves the graph and its history untouched: the autotuner
+tries candidate knobs this way, and the calibration times copies of graphs."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Sequence
+
+from torch import fx
+
+from .context import PassContext
+
+Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+
+
+def copied_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A deep copy of ``gm``'s graph whose nodes' ``meta["fxshard"]`` records are copies too."""
+    with warnings.catch_warnings():  # torch 2.13's pytree warns about its own LeafSpec while copying codegen
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(gm.graph)
+    # Copying a graph copies each node's meta shallowly: without this, a later pass that updates a node's
+    # meta["fxshard"] record would rewrite the history of every earlier pass.
+    for node in graph.nodes:
+        if "fxshard" in node.meta:
+            node.meta["fxshard"] = copy.deepcopy(node.meta["fxshard"])
+    return graph
+
+
+def trial_run(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> fx.GraphModule:
+    """``passes`` over a copy of ``gm``, recorded nowhere: what the pipeline would make of it under ``ctx``."""
+    trial = fx.GraphModule(gm, copied_graph(gm))
+    for pass_fn in passes:
+        trial = pass_fn(trial, ctx)
+    return trial
