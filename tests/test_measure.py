@@ -37,6 +37,21 @@ def test_counts_the_in_place_collectives_inductors_code_calls():
                                 "all_gather": {"calls": 1, "elements": 4, "bytes": 16}}
 
 
+# every dtype a parameter, a gradient or a packed wire buffer (int8, uint8, fp8, bf16) may travel in
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+def test_counts_the_bytes_of_a_collective_in_every_dtype(dtype):
+    from fxshard.torch_compat import c10d_functional
+
+    with fake_process_group(2) as group, CollectiveCounter() as counter:
+        c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor(torch.zeros(3, dtype=dtype), 2,
+                                                                           group.group_name))
+    assert counter.totals() == {"all_gather": {"calls": 1, "elements": 3, "bytes": 3 * dtype.itemsize}}
+
+
 def test_asking_for_a_step_that_was_not_marked_says_what_to_do():
     with CollectiveCounter() as unmarked:
         pass
