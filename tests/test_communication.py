@@ -65,6 +65,7 @@ def test_the_ledger_prices_the_wire_and_the_secondary_group(secondary_runs):
     for result in (secondary_runs["plain"][0], secondary_runs[NODE][0]):
         measured = _sent_per_rank(result, WORLD)
         assert result["ledger_sent"] <= measured <= result["ledger_sent"] * (1 + FRAMING)
+        assert result["counted"] == result["ledger_handed"]  # CollectiveCounter: the ledger's bytes by kind
     secondary = secondary_runs[NODE][0]
     assert set(secondary["ledger_by_group"]) == {"N", "K"}
     # inside a node, backward sends the peer its part of the all-to-all and its secondary shards (a ring of K = 2)
