@@ -22,14 +22,11 @@ import dataclasses
 import enum
 import math
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from fxshard.errors import FxShardError
 
-if TYPE_CHECKING:
-    from .tensor_parallel import TensorParallel
+from .tensor_parallel import TensorParallel
 
 
 ROOT_UNIT = "root"  # the unit of a parameter the model itself owns
