@@ -74,9 +74,11 @@ class QuantizedNodes:
             padded = emit("quantize", aten.constant_pad_nd.default, rows, [0, blocks * self.block - elements])
         grid = emit("quantize", aten.view.default, padded, [count, blocks, self.block])
         largest = emit("quantize", aten.amax.default, emit("quantize", aten.abs.default, grid), [2], True)
-        # an all-zero block gets the least normal scale: its values quantize to 0 either way, and nothing is 0 / 0
-        largest = emit("quantize", aten.clamp_min.default, largest, torch.finfo(torch.float32).tiny)
+        # an all-zero block gets the least normal scale: its values quantize to 0 either way, and nothing is 0 / 0.
+        # Clamped after the division: the least normal float divided by 127 or 448 is a denormal, which a process
+        # that flushes denormals (torch.set_flush_denormal) reads as 0
         scale = emit("quantize", aten.div.Tensor, largest, _LARGEST[self.scheme])
+        scale = emit("quantize", aten.clamp_min.default, scale, torch.finfo(torch.float32).tiny)
         scaled = emit("quantize", aten.div.Tensor, grid, scale)
         if self.scheme == "int8":
             rounded = emit("quantize", aten.round.default, scaled)  # clamp_min / clamp_max: Inductor lowers them

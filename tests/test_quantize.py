@@ -61,3 +61,18 @@ def test_bf16_halves_the_bytes_within_half_a_unit_in_the_last_place(dtype):
 def test_bf16_gradients_are_unpacked_into_the_dtype_they_are_summed_in():
     unpacked, _ = _round_trip(_rows(torch.bfloat16), "int8", 256, torch.float32)
     assert unpacked.dtype == torch.float32
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_an_all_zero_block_stays_zero_where_denormals_are_flushed(scheme):
+    # the least normal float divided by the grid's largest value is a denormal: a process that flushes denormals
+    # (torch.set_flush_denormal(True), as benchmark scripts set) would read a scale of 0, and the block 0 / 0
+    values = _rows()
+    expected, _ = _round_trip(values, scheme, 256)
+    assert torch.set_flush_denormal(True)  # x86 with SSE3: every machine the suite runs on
+    try:
+        unpacked, _ = _round_trip(values, scheme, 256)
+    finally:
+        torch.set_flush_denormal(False)
+    assert bool((unpacked[1, :256] == 0).all())
+    assert torch.equal(unpacked, expected)
