@@ -55,7 +55,7 @@ from .errors import FxShardError
 from .report.measure import CollectiveCounter
 from .report.tables import ledger_report
 from .runtime.optimizer_record import steps_inside_another
-from .simulate.simulator import default_machine
+from .simulate.simulator import machine_of
 from .simulate.what_if import options_table
 from .testing import fake_process_group
 
@@ -292,10 +292,9 @@ def _simulate(args, script_args: list[str]) -> int:
             raise FxShardError(f"{args.script}'s backend (stage {backend.stage}) compiled no graph: run a step "
                                "through torch.compile(model, backend=backend) first")
         if args.options:
-            machine = backend.machine or default_machine("cpu" if backend.model is None else
-                                                         next(backend.model.parameters()).device.type)
+            machine = machine_of(backend)
             print(f"{args.script}: stage {backend.stage}, the step's graphs under each communication option "
-                  f"(machine: {'calibrated' if backend.machine else 'default for the device'})")
+                  f"(machine: {machine.name})")
             print(options_table(backend, machine, node=args.node))
         if args.trace is None:
             continue

@@ -16,7 +16,7 @@ from fxshard.simulate.calibration import (
     _without_collectives, _zeros_for_placeholders, fit_bandwidth, fit_collective_overhead, fit_flops,
     fit_op_overhead, fit_overlap, fit_ring, fit_step, fit_step_overhead, serialized, without_flop_ops,
 )
-from fxshard.simulate.simulator import collective_seconds, compute_nodes, compute_seconds
+from fxshard.simulate.simulator import GLOO_ON_CPU, collective_seconds, compute_nodes, compute_seconds, machine_of
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,22 @@ WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def test_free_network_exposes_nothing(stage3):
-    timeline = simulate(stage3[1], 8, bandwidth=1e30, latency=0.0)
+    timeline = simulate(stage3[1], 8, machine=Machine(bandwidth=1e30, latency=0.0))
     assert timeline.exposed_comm == pytest.approx(0.0, abs=1e-12)
     assert timeline.step_time == pytest.approx(timeline.compute_time)
+
+
+def test_a_prediction_without_a_machine_runs_on_the_backends_own(stage3, tmp_path):
+    # the machine its schedules were chosen on: the one given to fxshard.backend(machine=...), else the device's
+    backend = stage3[1]
+    assert backend.machine is None and machine_of(backend) is GLOO_ON_CPU
+    assert simulate(backend, 2) == simulate(backend, 2, machine=GLOO_ON_CPU)
+    backend.machine = SLOW_NET
+    try:
+        assert simulate(backend, 2) == simulate(backend, 2, machine=SLOW_NET)
+        assert backend.trace(tmp_path / "step.json", world=2) == simulate(backend, 2, machine=SLOW_NET)
+    finally:
+        backend.machine = None
 
 
 def test_step_time_is_compute_plus_exposed_comm_and_grows_with_world(stage3):

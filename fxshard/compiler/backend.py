@@ -411,7 +411,8 @@ class Backend:
         JSON to ``path``, to open in Perfetto: a compute and a communication lane, an event per node, each with its
         unit (``fxshard.report.chrome_trace``). ``world``: the ranks to predict for (default: those the parameters are
         sharded over; on a hybrid mesh its shard dimension);
-        ``machine``: a ``fxshard.simulate.Machine`` (e.g. from ``calibrate``). Returns the ``Timeline``."""
+        ``machine``: a ``fxshard.simulate.Machine`` (e.g. from ``calibrate``; default: this backend's ``machine``,
+        else its device's default, the one its schedules were chosen on). Returns the ``Timeline``."""
         import torch.distributed as dist
 
         sharded_over = sharded_world_size(self.model) if self.model is not None else None

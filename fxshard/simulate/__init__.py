@@ -8,7 +8,16 @@
 """
 
 from .calibration import calibrate
-from .simulator import GLOO_ON_CPU, NCCL_ON_GPU, Machine, Timeline, default_machine, simulate, simulate_graph
+from .simulator import (
+    GLOO_ON_CPU,
+    NCCL_ON_GPU,
+    Machine,
+    Timeline,
+    default_machine,
+    machine_of,
+    simulate,
+    simulate_graph,
+)
 
-__all__ = ["GLOO_ON_CPU", "NCCL_ON_GPU", "Machine", "Timeline", "calibrate", "default_machine", "simulate",
-           "simulate_graph"]
+__all__ = ["GLOO_ON_CPU", "NCCL_ON_GPU", "Machine", "Timeline", "calibrate", "default_machine", "machine_of",
+           "simulate", "simulate_graph"]

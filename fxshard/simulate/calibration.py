@@ -354,5 +354,6 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     overhead, latency, _ = fit_ring(full_bytes, ring_times[0::3], ring_times[1::3], world)
     machine = Machine(flops_per_s=flops, memory_bandwidth=memory, latency=latency, collective_overhead=overhead,
                       bandwidth=fit_bandwidth(full_bytes, ring_times[0::3], world),
-                      all_to_all_bandwidth=fit_bandwidth(full_bytes, ring_times[2::3], world))
+                      all_to_all_bandwidth=fit_bandwidth(full_bytes, ring_times[2::3], world),
+                      name=f"calibrated on {world} ranks of this group")
     return machine if backend is None else fit_step(machine, backend, world, *step_times)

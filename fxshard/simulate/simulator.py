@@ -91,6 +91,8 @@ class Machine:
     """Bytes/s per rank of an all-to-all: fxshard's reduce-scatter on gloo and every quantized one, each rank
     sending its rows to every peer at once (gloo on one host moves them faster than an all-gather's); None:
     ``bandwidth``."""
+    name: str = "custom"
+    """What the figures describe, as reports and ``python -m fxshard simulate`` name the machine."""
 
     def across_replicas(self) -> Machine:
         """This machine with the inter-group network as its ring: what a collective across the replicas of a hybrid
@@ -107,14 +109,15 @@ class Machine:
 
 
 GLOO_ON_CPU = Machine(flops_per_s=8.75e10, memory_bandwidth=1.0e10, bandwidth=9.75e8, latency=0.0,
-                      collective_overhead=2.1e-3, op_overhead=9.0e-6, overlap=0.48, all_to_all_bandwidth=1.27e9)
+                      collective_overhead=2.1e-3, op_overhead=9.0e-6, overlap=0.48, all_to_all_bandwidth=1.27e9,
+                      name="GLOO_ON_CPU (gloo on one CPU host, calibrated)")
 """gloo between processes of one host, one CPU thread per rank: what ``calibrate`` measured on 2 ranks with the
 benchmark GPT at stage 3 (the machine, the date and how close its predictions came: docs/simulate.md). What sets it
 apart: a per-collective overhead far above the per-hop latency, an all-to-all faster than an all-gather, less than
 half of a collective's time hidden by compute (the rest takes the cores compute runs on)."""
 
 NCCL_ON_GPU = Machine(flops_per_s=5e13, memory_bandwidth=2e12, bandwidth=5e10, latency=5e-6,
-                      collective_overhead=2e-5)
+                      collective_overhead=2e-5, name="NCCL_ON_GPU (one GPU node, stated figures)")
 """NCCL between GPUs of one node: stated (a ring of ~50 GB/s per rank, ~20 µs to launch a collective), not
 calibrated; ``calibrate`` on your own cluster for figures to trust."""
 
@@ -159,6 +162,17 @@ def default_machine(device_type: str) -> Machine:
     """The machine the backend predicts on when given none: ``NCCL_ON_GPU`` for graphs on ``cuda``, else
     ``GLOO_ON_CPU``."""
     return NCCL_ON_GPU if device_type == "cuda" else GLOO_ON_CPU
+
+
+def machine_of(source) -> Machine:
+    """The machine a prediction of ``source`` runs on where none is given: a backend's own (``machine=``, the one
+    its schedules were chosen on), else the default of its parameters' device (``default_machine``), as for
+    rewritten graphs alone."""
+    machine = getattr(source, "machine", None)
+    if machine is not None:
+        return machine
+    model = getattr(source, "model", None)
+    return default_machine("cpu" if model is None else next(model.parameters()).device.type)
 
 
 @dataclasses.dataclass
@@ -376,14 +390,15 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
              flops: float | None = None, machine: Machine | None = None, what_if: WhatIf | None = None) -> Timeline:
     """Predict one training step on ``world`` ranks from the rewritten graphs of ``source`` (a backend that ran
     a step, or GraphModules): ``bandwidth`` bytes/s per rank, ``latency`` seconds per ring hop, ``flops`` FLOP/s
-    per rank override ``machine``'s (see :class:`Machine`, :func:`calibrate`). The step is the graphs in order,
+    per rank override ``machine``'s (see :class:`Machine`, :func:`calibrate`; None: ``machine_of(source)``, a
+    backend's own machine or its device's default). The step is the graphs in order,
     then the optimizer step's collectives, then ``machine.step_overhead``. On a hybrid mesh ``world`` is the shard
     group's size; the all-reduces across the replicas run over the mesh's replicas, on
     ``machine.replicate_bandwidth`` and ``replicate_latency`` (where None, the ring's, overrides included).
     ``what_if``: communication options priced on graphs compiled without them (:class:`WhatIf`)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise FxShardError(f"world must be a positive number of ranks, got {world!r}")
-    machine = machine or Machine()
+    machine = machine or machine_of(source)
     overrides = {k: v for k, v in (("bandwidth", bandwidth), ("latency", latency), ("flops_per_s", flops))
                  if v is not None}
     for key, value in overrides.items():
