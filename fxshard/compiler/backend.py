@@ -21,7 +21,7 @@ from fxshard.errors import FxShardError
 from fxshard.passes import PassContext
 from fxshard.passes.context import DDP_BUCKET_BYTES, default_bucket
 from fxshard.report.chrome_trace import write_chrome_trace
-from fxshard.report.tables import collective_report, ledger_report
+from fxshard.report.tables import collective_report, compile_time_report, ledger_report
 from fxshard.report.trace import trace_choice
 from fxshard.runtime.groups import (
     COLLECTIVE_TIMEOUT_S,
@@ -59,6 +59,11 @@ from .options import (
     secondary_size,
 )
 from .pipeline import GraphRecord, Pass, run_passes
+
+# the phases of fxshard's own compile time the backend adds to each GraphRecord's (besides each pass and its history)
+AUTOTUNE = "autotune trials"
+CONSISTENCY = "consistency check"
+
 
 @contextlib.contextmanager
 def _torch_recursion_explained():
@@ -282,7 +287,7 @@ class Backend:
         graph_id = next(self._graph_ids)
         published = annotate_optimizer_graph(gm, example_inputs)
         if gm.meta["fxshard_optimizer"]:  # a compiled optimizer.step: rewritten before AOT sees it
-            gm = self._run(context, graph_id, "optimizer", gm)
+            gm, _ = self._run(context, graph_id, "optimizer", gm)
         inductor = InductorCompiler(gm, example_inputs) if self.compiler == "inductor" else None
         compile_graph = functools.partial(self._compile_graph, context, graph_id, inductor)
         with inductor.around_aot() if inductor else contextlib.nullcontext(), _torch_recursion_explained():
@@ -352,37 +357,39 @@ class Backend:
         return specs
 
     def _run(self, context: PassContext, graph_id: int, kind: str, gm: fx.GraphModule,
-             machine: Machine | None = None) -> fx.GraphModule:
+             machine: Machine | None = None) -> tuple[fx.GraphModule, GraphRecord]:
         """The pass pipeline over ``gm``, under the knobs ``fxshard.simulate.autotune`` chooses on ``machine`` where the
-        user left a choice (a lowered graph's grouping, prefetch under ``memory_budget``)."""
+        user left a choice (a lowered graph's grouping, prefetch under ``memory_budget``); and the graph's record."""
         context = dataclasses.replace(context, graph=kind)
         if kind == "backward" and context.quantize_weights == "auto":  # the weights forward computed with
             context = dataclasses.replace(context, quantize_weights=self._chosen_weights.get(graph_id))
+        record = GraphRecord(kind, graph_id)
         choice = None
         if machine is not None:
-            context, choice = autotune.choose(gm, context, self.passes, machine)
+            with record.timing(AUTOTUNE):
+                context, choice = autotune.choose(gm, context, self.passes, machine)
         if kind in ("forward", "inference"):
             self._chosen_weights[graph_id] = context.quantize_weights
-        record = GraphRecord(kind, graph_id)
         self.graphs.append(record)
         gm = run_passes(gm, context, self.passes, record)
         if choice is not None:
             gm.meta["fxshard_choice"] = choice
             trace_choice(kind, graph_id, choice)
-        return gm
+        return gm, record
 
     def _partition(self, context, graph_id, inductor: InductorCompiler | None, joint: fx.GraphModule, joint_inputs,
                    **kwargs):
-        joint = self._run(context, graph_id, "joint", joint)
+        joint, _ = self._run(context, graph_id, "joint", joint)
         partition = inductor.partition if inductor else min_cut_rematerialization_partition
         return partition(joint, joint_inputs, **kwargs)
 
     def _compile_graph(self, context, graph_id, inductor: InductorCompiler | None, kind, gm: fx.GraphModule, example_inputs):
         machine = self.machine or default_machine(_device_type(example_inputs))
-        gm = self._run(context, graph_id, kind, gm, machine)
+        gm, record = self._run(context, graph_id, kind, gm, machine)
         compiled = inductor.compile(kind, gm, example_inputs) if inductor else make_boxed_func(gm.forward)
         # Before the graph first runs, every rank must have compiled the same collectives (fxshard.compiler.consistency).
-        check_same_schedule(gm, kind, graph_id, self._check_group_name or context.group_name)
+        with record.timing(CONSISTENCY):
+            check_same_schedule(gm, kind, graph_id, self._check_group_name or context.group_name)
         compiled = explaining_peer_failures(compiled, f"the {kind} graph")
         if kind != "forward" or self.model is None:  # (an inference graph runs without gradients: no step to miss)
             return compiled
@@ -403,8 +410,8 @@ class Backend:
                                  title=f"fxshard stage {self.stage}, {grouping}")
             if format == "json":
                 return text
-        choices = autotune.describe_choices(self.graphs)
-        return f"{text}\n\n{choices}" if choices else text
+        parts = [text, autotune.describe_choices(self.graphs), compile_time_report(self.graphs)]
+        return "\n\n".join(part for part in parts if part)
 
     def trace(self, path, world: int | None = None, machine=None):
         """Write the simulated step (``fxshard.simulate``) of the graphs compiled so far as a Chrome trace-event

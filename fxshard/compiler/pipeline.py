@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import time
 from collections.abc import Sequence
 
 from torch import fx
@@ -44,25 +47,43 @@ class PassRecord:
         return self._after.module()
 
 
+HISTORY = "pass history"  # the phase that copies the graph after each pass (``PassRecord``)
+
+
 @dataclasses.dataclass
 class GraphRecord:
-    """One graph the backend rewrote: its kind, the pass-by-pass history, and the final graph."""
+    """One graph the backend rewrote: its kind, the pass-by-pass history, the final graph, and the seconds fxshard
+    spent on it by phase (each pass by name, ``HISTORY``, and what the backend adds: autotune trials, the
+    consistency check)."""
 
     kind: str
     graph_id: int
     passes: list[PassRecord] = dataclasses.field(default_factory=list)
     final: fx.GraphModule | None = None
+    seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @contextlib.contextmanager
+    def timing(self, phase: str):
+        """Add the seconds the block takes to ``phase``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], record: GraphRecord) -> fx.GraphModule:
     """Run ``passes`` over ``gm`` in order, recording each pass's graphs in ``record`` and in torch's logs
     (``fxshard.report.trace``)."""
     trace_pass(record.kind, record.graph_id, 0, "input", gm)
-    before = _Snapshot(gm)
+    with record.timing(HISTORY):
+        before = _Snapshot(gm)
     for index, pass_fn in enumerate(passes, start=1):
         name = getattr(pass_fn, "__name__", repr(pass_fn))
-        gm = pass_fn(gm, ctx)
-        after = _Snapshot(gm)
+        with record.timing(name):
+            gm = pass_fn(gm, ctx)
+        with record.timing(HISTORY):
+            after = _Snapshot(gm)
         record.passes.append(PassRecord(name, before, after))  # one pass's after is the next one's before
         before = after
         trace_pass(record.kind, record.graph_id, index, name, gm)

@@ -51,6 +51,20 @@ def collective_report(records) -> str:
     return "\n".join(parts)
 
 
+def compile_time_report(records) -> str:
+    """fxshard's own share of compile time, by phase (each pass, the pass history, autotune trials, the consistency
+    check) summed over the rewritten graphs, largest first; "" before any graph."""
+    seconds = collections.Counter()
+    for record in records:
+        seconds.update(record.seconds)
+    if not seconds:
+        return ""
+    graphs = sum(1 for record in records if record.seconds)
+    rows = [(phase, f"{value:.3f}") for phase, value in seconds.most_common()]
+    return (f"fxshard's compile time: {sum(seconds.values()):.2f} s over {graphs} graphs (Dynamo, AOT autograd and "
+            "the compiler not included)\n" + tabulate(rows, headers=["phase", "seconds"]))
+
+
 def _per_step(measured) -> dict[str, int] | None:
     """Collective input bytes of one step by kind, from a ``CollectiveCounter`` (its last marked step if it has
     any, else everything it recorded) or from a ``totals()`` dict of one step."""
