@@ -67,10 +67,12 @@ def test_ring_costs():
     assert collective_seconds("all_gather", 1e9, 4, machine) == pytest.approx(3e-5 + 0.75)
     assert collective_seconds("all_reduce", 1e9, 4, machine) == pytest.approx(2 * (3e-5 + 0.75))
     assert collective_seconds("reduce_scatter", 1e9, 1, machine) == 0.0
-    # an all-to-all sends the same bytes to every peer at once: one hop, on its own bandwidth where it has one
-    assert collective_seconds("all_to_all", 1e9, 4, machine) == pytest.approx(1e-5 + 0.75)
+    # an all-to-all sends the same bytes, a message to each peer (a latency each), on its own bandwidth where it
+    # has one
+    assert collective_seconds("all_to_all", 1e9, 4, machine) == pytest.approx(3e-5 + 0.75)
+    assert collective_seconds("all_to_all", 1e9, 512, machine) == pytest.approx(511e-5 + 511 / 512)
     exchanging = dataclasses.replace(machine, all_to_all_bandwidth=2e9)
-    assert collective_seconds("all_to_all", 1e9, 4, exchanging) == pytest.approx(1e-5 + 0.375)
+    assert collective_seconds("all_to_all", 1e9, 4, exchanging) == pytest.approx(3e-5 + 0.375)
     assert collective_seconds("all_gather", 1e9, 4, exchanging) == pytest.approx(3e-5 + 0.75)
 
 

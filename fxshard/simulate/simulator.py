@@ -217,12 +217,13 @@ def compute_seconds(node: fx.Node, machine: Machine) -> float:
 def collective_seconds(kind: str, full_bytes: float, world: int, machine: Machine) -> float:
     """Alpha-beta time of one collective whose full (unsharded) buffer has ``full_bytes``, plus the machine's
     per-collective overhead: a ring pass, two for an all-reduce (reduce-scatter, then all-gather), or for an
-    ``all_to_all`` one hop carrying the same bytes at ``all_to_all_bandwidth``."""
+    ``all_to_all`` the same bytes at ``all_to_all_bandwidth``, a message to each of the other ranks (one latency
+    each, as a ring pays one per hop)."""
     if world <= 1:
         return 0.0
     if kind == "all_to_all":
         bandwidth = machine.all_to_all_bandwidth or machine.bandwidth
-        return machine.collective_overhead + machine.latency + (world - 1) / world * full_bytes / bandwidth
+        return machine.collective_overhead + (world - 1) * machine.latency + (world - 1) / world * full_bytes / bandwidth
     one_pass = (world - 1) * machine.latency + (world - 1) / world * full_bytes / machine.bandwidth
     return machine.collective_overhead + (2 if kind == "all_reduce" else 1) * one_pass
 

@@ -36,10 +36,12 @@ def compare_options(backend, machine: Machine, link: float, node: int = 8, node_
                     worlds=WORLDS) -> list[OptionRow]:
     """The step as compiled (first row) and under each option, predicted at each of ``worlds`` with ``link``
     bytes/s per rank between nodes of ``node`` ranks and ``node_link`` inside one; secondary shards only where a
-    world spans more than one node."""
+    world spans more than one node. An all-to-all keeps its speed relative to the ring's (``machine``'s
+    ``all_to_all_bandwidth / bandwidth``) on every link."""
     if node < 2:
         raise FxShardError(f"node must be 2 or more ranks (the group secondary shards are re-gathered in), got {node}")
-    machine = dataclasses.replace(machine, bandwidth=link, node_bandwidth=node_link)
+    exchange = None if machine.all_to_all_bandwidth is None else link * machine.all_to_all_bandwidth / machine.bandwidth
+    machine = dataclasses.replace(machine, bandwidth=link, node_bandwidth=node_link, all_to_all_bandwidth=exchange)
     plain = {w: simulate(backend, w, machine=machine).step_time for w in worlds}
     rows = [OptionRow("as compiled", plain, None)]
     for name, what_if in options(node).items():
