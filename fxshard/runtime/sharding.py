@@ -28,7 +28,6 @@ from fxshard.errors import FxShardError
 
 from .tensor_parallel import TensorParallel
 
-
 ROOT_UNIT = "root"  # the unit of a parameter the model itself owns
 
 
@@ -57,7 +56,6 @@ class MarkerLayout(str, enum.Enum):
         of it, or None (it stays local)."""
         return {MarkerLayout.GATHER: "reduce_scatter", MarkerLayout.RESIDENT: "reduce_scatter",
                 MarkerLayout.REPLICATED: "all_reduce"}.get(self)
-
 
 
 def unit_of(fqn: str) -> str:
