@@ -55,6 +55,7 @@ from .errors import FxShardError
 from .report.measure import CollectiveCounter
 from .report.tables import ledger_report
 from .runtime.optimizer_record import steps_inside_another
+from .simulate.machines import PRESETS, load_machine
 from .simulate.simulator import machine_of
 from .simulate.what_if import options_table
 from .testing import fake_process_group
@@ -281,6 +282,7 @@ def _report(args, script_args: list[str]) -> int:
 def _simulate(args, script_args: list[str]) -> int:
     """Run the script here and write the simulated step of each backend it prepared as a Chrome trace."""
     _check_world(args.world)  # before the script runs, which may take long
+    given = None if args.machine is None else load_machine(args.machine)
     if args.trace is None and not args.options:
         raise FxShardError("simulate needs --trace OUT.json (the simulated step for Perfetto), --options (where each "
                            "communication option pays), or both")
@@ -291,8 +293,8 @@ def _simulate(args, script_args: list[str]) -> int:
         if not backend.graphs:
             raise FxShardError(f"{args.script}'s backend (stage {backend.stage}) compiled no graph: run a step "
                                "through torch.compile(model, backend=backend) first")
+        machine = given or machine_of(backend)
         if args.options:
-            machine = machine_of(backend)
             print(f"{args.script}: stage {backend.stage}, the step's graphs under each communication option "
                   f"(machine: {machine.name})")
             print(options_table(backend, machine, node=args.node))
@@ -300,10 +302,10 @@ def _simulate(args, script_args: list[str]) -> int:
             continue
         trace = pathlib.Path(args.trace)
         path = trace if len(backends) == 1 else trace.with_name(f"{trace.stem}-{index}{trace.suffix}")
-        timeline = backend.trace(path, world=args.world)
-        print(f"{path}: stage {backend.stage} at {timeline.world} ranks, step {timeline.step_time * 1e3:.3f} ms "
-              f"(compute {timeline.compute_time * 1e3:.3f} ms, communication {timeline.comm_time * 1e3:.3f} ms, "
-              f"{timeline.exposed_comm * 1e3:.3f} ms of it exposed)")
+        timeline = backend.trace(path, world=args.world, machine=machine)
+        print(f"{path}: stage {backend.stage} at {timeline.world} ranks on {machine.name}\n"
+              f"  step {timeline.step_time * 1e3:.3f} ms (compute {timeline.compute_time * 1e3:.3f} ms, "
+              f"communication {timeline.comm_time * 1e3:.3f} ms, {timeline.exposed_comm * 1e3:.3f} ms of it exposed)")
     if args.trace is not None:
         print("open the simulated steps at ui.perfetto.dev")
     return 0
@@ -341,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                           "(quantize_weights, quantize_grads, reshard_after_forward=k) is predicted to pay, by world "
                           "size and inter-node link (docs/communication.md)")
     simulate.add_argument("--node", type=int, default=8, help="ranks per node for --options (8)")
+    simulate.add_argument("--machine", metavar="NAME|FILE", help="predict on this machine: a preset ("
+                          f"{', '.join(PRESETS)}) or a JSON file of Machine's fields (default: the backend's own)")
     simulate.add_argument("--world", type=int, help="ranks to predict for (default: those the script sharded "
                           "the parameters over)")
     simulate.add_argument("script")

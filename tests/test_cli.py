@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from fxshard import FxShardError
 from fxshard.__main__ import main
 from test_simulate import trace_event_format_errors
 
@@ -150,7 +151,8 @@ def test_simulate_writes_each_backends_simulated_step_as_a_chrome_trace(stages, 
     out = capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.glob("*.json")) == files
     for stage, name in zip(stages, files):
-        assert f"{tmp_path / name}: stage {stage} at 8 ranks, step " in out, out
+        assert f"{tmp_path / name}: stage {stage} at 8 ranks on GLOO_ON_CPU (gloo on one CPU host, calibrated)\n" \
+               "  step " in out, out
         trace = json.loads((tmp_path / name).read_text())
         assert trace_event_format_errors(trace) == []
         assert trace["otherData"]["world"] == 8
@@ -159,6 +161,40 @@ def test_simulate_writes_each_backends_simulated_step_as_a_chrome_trace(stages, 
         communicated = {(e["cat"], e["name"]) for e in trace["traceEvents"]
                         if e["ph"] == "X" and e["args"]["stream"] == "communication"}
         assert communicated == COMMUNICATED[stage]
+
+
+@pytest.mark.parametrize("machine", ["h100-sxm-400g", "file"])
+def test_simulate_predicts_on_the_machine_given_by_preset_or_json_file(machine, tmp_path, capsys, monkeypatch):
+    from fxshard.simulate.machines import PRESETS, load_machine
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    script = tmp_path / "train.py"
+    script.write_text(SIMULATED_SCRIPT)
+    if machine == "file":
+        machine = str(tmp_path / "my_cluster.json")
+        pathlib.Path(machine).write_text(json.dumps({"flops_per_s": 1e12, "bandwidth": 1e8, "latency": 1e-5}))
+    assert main(["simulate", str(script), "3", "--trace", str(tmp_path / "step.json"), "--world", "8",
+                 "--machine", machine]) == 0
+    out = capsys.readouterr().out
+    expected = load_machine(machine)
+    assert f"at 8 ranks on {expected.name}\n" in out, out
+    assert expected is PRESETS[machine] if machine in PRESETS else expected.name == "my_cluster"
+    written = json.loads((tmp_path / "step.json").read_text())
+    step_ms = float(out.split("  step ")[1].split(" ms")[0])
+    assert step_ms == pytest.approx(max(e["ts"] + e["dur"] for e in written["traceEvents"] if e["ph"] == "X") / 1e3,
+                                    abs=1e-3)
+    assert written["otherData"]["world"] == 8
+
+
+def test_a_machine_that_is_neither_a_preset_nor_a_file_of_its_fields_is_refused(tmp_path):
+    from fxshard.simulate.machines import load_machine
+
+    with pytest.raises(FxShardError, match=r"no machine preset named 'h200'.*h100-sxm-400g"):
+        load_machine("h200")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"flops": 1e12}))
+    with pytest.raises(FxShardError, match=r"flops is not a field of Machine \(flops_per_s, "):
+        load_machine(str(bad))
 
 
 def test_simulate_of_a_script_that_prepares_no_backend_says_so(tmp_path):

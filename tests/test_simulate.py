@@ -448,3 +448,20 @@ def test_stage_1_all_reduces_the_shards_across_replicas_in_the_optimizer_step_on
 def test_the_trace_format_check_finds_what_perfetto_would_reject():
     assert trace_event_format_errors({"traceEvents": [{"name": "mm", "ph": "X", "ts": 0, "pid": 0, "tid": 1}]}) == [
         "event 0 ('mm'): a complete event needs dur >= 0"]
+
+
+def test_gpu_presets_are_the_datasheets_peaks_times_the_stated_efficiencies():
+    from fxshard.simulate.machines import A100_80GB_SXM, H100_80GB_SXM, PRESETS, Efficiency
+
+    stated = Efficiency()
+    for key, gpu in (("a100-sxm", A100_80GB_SXM), ("h100-sxm", H100_80GB_SXM)):
+        for gbits in (100, 200, 400):
+            machine = PRESETS[f"{key}-{gbits}g"]
+            assert machine.flops_per_s == gpu.bf16_flops_per_s * stated.compute
+            assert machine.bandwidth == gbits / 8 * 1e9 * stated.link  # the ring across nodes: the network's pace
+            assert machine.node_bandwidth == gpu.nvlink_bytes_per_s * stated.link  # re-gathers inside a node
+            assert f"{gbits} Gb/s" in machine.name and gpu.name in machine.name
+    # the same step predicts faster on the faster system
+    graphs = [simulate(scenarios.compiled_model("chain", 3), 64, machine=PRESETS[name]).step_time
+              for name in ("a100-sxm-100g", "h100-sxm-400g")]
+    assert graphs[1] < graphs[0]

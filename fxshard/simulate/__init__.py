@@ -2,6 +2,7 @@
 
 - ``simulator``: the two-stream alpha-beta timeline (``simulate``, ``simulate_graph``, ``Machine``);
 - ``calibration``: the ``Machine`` constants measured on a process group (``calibrate``) and the fits behind them;
+- ``machines``: presets for GPU systems from their datasheets (``load_machine``), and JSON files of one's own;
 - ``autotune``: the knobs a graph compiles with where the user left a choice, the fastest predicted that fits.
 
 ``fxshard.simulate(...)`` is the function ``simulator.simulate``; this package stays importable by its name.
