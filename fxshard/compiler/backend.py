@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import os
+import traceback
 import weakref
 from collections.abc import Sequence
 
@@ -60,6 +62,7 @@ from .options import (
 )
 from .pipeline import GraphRecord, Pass, run_passes
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
 # the phases of fxshard's own compile time the backend adds to each GraphRecord's (besides each pass and its history)
 AUTOTUNE = "autotune trials"
 CONSISTENCY = "consistency check"
@@ -73,6 +76,9 @@ def _torch_recursion_explained():
     try:
         yield
     except RecursionError as error:
+        deepest = traceback.extract_tb(error.__traceback__)[-1].filename
+        if not deepest.startswith(_TORCH_DIR):  # ran out inside fxshard's own code: a bug of ours, shown as it is
+            raise
         raise FxShardError(
             "torch's AOT autograd ran out of Python recursion tracing this graph's forward and backward (inside "
             "torch, before any fxshard pass). Known case: a tensor-parallel model (DTensor parameters) compiled "
