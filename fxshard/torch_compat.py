@@ -21,6 +21,8 @@ import dataclasses
 import datetime
 import functools
 import inspect
+import os
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -43,7 +45,7 @@ __all__ = [
     "inductor_partition", "inductor_virtualized", "intercept_conversions", "is_backend_registered",
     "is_persistent_buffer", "LocalSource", "make_boxed_func", "min_cut_rematerialization_partition", "model_outputs",
     "name_parameter_source", "op_arguments", "op_name", "OpOverload", "own_buffers", "own_parameters",
-    "profiled_item_size", "profiled_ops", "ProfiledOp", "register_log", "resolve_group",
+    "profiled_item_size", "profiled_ops", "ProfiledOp", "raised_inside_torch", "register_log", "resolve_group",
     "SavedForBackwardsAOTOutput", "ShortenTraceback", "strided_shard", "tensor_version", "TensorProperty",
     "TensorPropertySource", "total_norm_from", "trace_log", "trace_structured", "traced_size", "tree_flatten",
     "tree_map", "view_base",
@@ -192,6 +194,12 @@ def intercept_conversions(module: torch.nn.Module, apply) -> None:
     """Make ``apply(fn, recurse=True)`` what ``module``'s ``.to()``, ``.double()``, ``.cuda()`` ... run in place of
     ``nn.Module._apply`` (for this instance only)."""
     module.__dict__["_apply"] = apply
+
+
+def raised_inside_torch(error: BaseException) -> bool:
+    """Whether the deepest frame of ``error``'s traceback is in torch's own files."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(os.path.dirname(torch.__file__))
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:

@@ -6,8 +6,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import os
-import traceback
 import weakref
 from collections.abc import Sequence
 
@@ -45,7 +43,12 @@ from fxshard.runtime.prepare import grad_sync_of, shard_parameters, sharded_worl
 from fxshard.runtime.step_clock import FORWARD, StepClock
 from fxshard.simulate import autotune
 from fxshard.simulate.simulator import Machine, default_machine, simulate
-from fxshard.torch_compat import aot_module_simplified, make_boxed_func, min_cut_rematerialization_partition
+from fxshard.torch_compat import (
+    aot_module_simplified,
+    make_boxed_func,
+    min_cut_rematerialization_partition,
+    raised_inside_torch,
+)
 
 from .blocks import block_prefixes, describe_grouping, repeated_blocks
 from .consistency import check_same_schedule, prepare_check_group
@@ -62,7 +65,6 @@ from .options import (
 )
 from .pipeline import GraphRecord, Pass, run_passes
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
 # the phases of fxshard's own compile time the backend adds to each GraphRecord's (besides each pass and its history)
 AUTOTUNE = "autotune trials"
 CONSISTENCY = "consistency check"
@@ -76,8 +78,7 @@ def _torch_recursion_explained():
     try:
         yield
     except RecursionError as error:
-        deepest = traceback.extract_tb(error.__traceback__)[-1].filename
-        if not deepest.startswith(_TORCH_DIR):  # ran out inside fxshard's own code: a bug of ours, shown as it is
+        if not raised_inside_torch(error):  # ran out inside fxshard's own code: a bug of ours, shown as it is
             raise
         raise FxShardError(
             "torch's AOT autograd ran out of Python recursion tracing this graph's forward and backward (inside "
