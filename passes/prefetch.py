@@ -58,8 +58,8 @@ import operator
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.runtime.collectives import COLLECTIVE_ROLES
-from fxshard.torch_compat import c10d_functional, graph_root
+from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT
+from fxshard.torch_compat import graph_root
 
 from .context import PassContext
 from .cost_model import CostModel, tensor_bytes
@@ -71,7 +71,6 @@ SCHEDULED_GRAPHS = ("forward", "backward", "inference")
 # publishing updated shards) keeps gathers before the waits of their node and its lookahead
 TRAINING_GRAPHS = ("forward", "backward")
 _PLACED = ("placeholder", "output")  # never moved: inputs stay first, the output last
-_WAIT = c10d_functional.wait_tensor.default
 
 
 @dataclasses.dataclass
@@ -143,7 +142,7 @@ def _live_bytes(graph: fx.Graph, order: dict[fx.Node, int], skip: set[fx.Node]) 
     root: dict[fx.Node, fx.Node] = {}
     for node in nodes:
         source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        aliases = is_view(node) or node.target in (operator.getitem, _WAIT)
+        aliases = is_view(node) or node.target in (operator.getitem, WAIT)
         root[node] = root[source] if aliases and source is not None else node
     end = {}
     for node in nodes:

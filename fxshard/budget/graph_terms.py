@@ -15,7 +15,7 @@ from torch import fx
 
 from fxshard.errors import FxShardError
 from fxshard.passes.fx_utils import aliases_its_input, marker_args, marker_layout, replica_ranks, size_hint
-from fxshard.runtime.collectives import COLLECTIVE_ROLES, collective_of, group_name_of
+from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT, collective_of, group_name_of
 from fxshard.runtime.ops import UNSHARD
 from fxshard.runtime.sharding import row_size
 from fxshard.torch_compat import (
@@ -23,7 +23,6 @@ from fxshard.torch_compat import (
     SavedForBackwardsAOTOutput,
     TensorProperty,
     TensorPropertySource,
-    c10d_functional,
 )
 
 from .symbols import B_GRAD, B_PARAM, K, N, Q_GRAD, Q_PARAM, R, T, Term, psi, shard, sizes_at
@@ -238,7 +237,7 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes,
 
 def _storage_root(node: fx.Node, roots: dict) -> fx.Node:
     # wait_tensor returns the very tensor its collective wrote into
-    waits = node.op == "call_function" and node.target is c10d_functional.wait_tensor.default
+    waits = node.op == "call_function" and node.target is WAIT
     if aliases_its_input(node) or waits:
         source = node.args[0]
         if isinstance(source, fx.Node):

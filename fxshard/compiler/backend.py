@@ -42,7 +42,7 @@ from fxshard.runtime.param import prepared_param, spec_of
 from fxshard.runtime.prepare import grad_sync_of, shard_parameters, sharded_world_size, tensor_parallel_of
 from fxshard.runtime.step_clock import FORWARD, StepClock
 from fxshard.simulate import autotune
-from fxshard.simulate.simulator import Machine, default_machine, simulate
+from fxshard.simulate.simulator import Machine, machine_of, simulate
 from fxshard.torch_compat import (
     aot_module_simplified,
     make_boxed_func,
@@ -135,7 +135,7 @@ class Backend:
     (``"inductor"``, the default, compiles the rewritten graphs, as ``torch.compile``'s default backend would;
     ``"eager"`` runs them op by op, as printed), ``machine`` (a ``fxshard.simulate.Machine``, e.g. from
     ``fxshard.simulate.calibrate(group)``: what ``fxshard.simulate.autotune`` predicts on where the knobs leave a choice;
-    default ``fxshard.simulate.default_machine`` of the graphs' device), and the knobs every pass
+    default ``fxshard.simulate.default_machine`` of the model's device), and the knobs every pass
     reads, documented on ``fxshard.passes.PassContext``: ``reshard_after_forward``, ``bucket``, ``blocks``,
     ``prefetch``, ``max_inflight_gathers``, ``schedule``, ``memory_budget``, ``param_dtype``, ``reduce_dtype``,
     ``step_bucket_bytes``, ``collective_timeout_s``. An
@@ -391,7 +391,7 @@ class Backend:
         return partition(joint, joint_inputs, **kwargs)
 
     def _compile_graph(self, context, graph_id, inductor: InductorCompiler | None, kind, gm: fx.GraphModule, example_inputs):
-        machine = self.machine or default_machine(_device_type(example_inputs))
+        machine = machine_of(self)
         gm, record = self._run(context, graph_id, kind, gm, machine)
         compiled = inductor.compile(kind, gm, example_inputs) if inductor else make_boxed_func(gm.forward)
         # Before the graph first runs, every rank must have compiled the same collectives (fxshard.compiler.consistency).
@@ -461,11 +461,6 @@ def _prepared_tensors(gm: fx.GraphModule, example_inputs) -> list[torch.Tensor]:
     optimizer step reads as attributes of the graph."""
     candidates = [*(v for v in example_inputs if isinstance(v, nn.Parameter)), *gm.parameters()]
     return [t for t in candidates if spec_of(t) is not None]
-
-
-def _device_type(example_inputs) -> str:
-    """``"cuda"`` when a graph takes a CUDA tensor, else ``"cpu"``: which default machine predicts its choices."""
-    return "cuda" if any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs) else "cpu"
 
 
 def prepared_by(tensor: torch.Tensor) -> Backend | None:

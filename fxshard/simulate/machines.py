@@ -47,8 +47,8 @@ A100_80GB_SXM = GPU("A100 80GB SXM", 312e12, 2.039e12, 300e9)
 H100_80GB_SXM = GPU("H100 80GB SXM", 989e12, 3.35e12, 450e9)
 NETWORK_GBITS = (100, 200, 400)  # per GPU: one 100/200/400 Gb/s InfiniBand or RoCE port each
 NODE_RANKS = 8
-# Stated, as NCCL's own tests report on such systems: a ring hop across nodes ~5 µs, inside a node ~2 µs; launching
-# a collective ~10 µs; a compiled graph's kernel launch ~5 µs
+# Stated round figures, not measured here: a ring hop across nodes 5 µs, inside a node 2 µs; launching a collective
+# 10 µs; a compiled graph's kernel launch 5 µs
 NETWORK_LATENCY, NVLINK_LATENCY, COLLECTIVE_OVERHEAD, OP_OVERHEAD = 5e-6, 2e-6, 1e-5, 5e-6
 
 
