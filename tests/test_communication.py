@@ -2,6 +2,8 @@
 reductions (``quantize_weights``, ``quantize_grads``), checked on the wire as the kernel counts it (every TCP socket
 between two ranks) against the ledger, and in training against plain stage 3 on a task whose loss falls."""
 
+import subprocess
+
 import pytest
 import torch
 
@@ -178,3 +180,16 @@ def test_weights_read_under_activation_checkpointing_are_regathered_from_the_pri
     assert any(g.startswith("all_gather_blocks_") for g in gathers[NODE])
     assert {g for g in gathers[NODE] if "secondary" in g} == {"all_gather_secondary_ln_f",
                                                              "all_gather_secondary_lm_head"}
+
+
+def test_the_wire_counts_the_data_a_socket_sent_not_tcps_resends_of_it(monkeypatch):
+    from fxshard.report import wire
+
+    listing = ("0 0 127.0.0.1:5000 127.0.0.1:6000 users:((\"python\",pid=11,fd=3))\n"
+               "\t cubic bytes_sent:1500 bytes_retrans:500 bytes_acked:1001 segs_out:4\n"
+               "0 0 127.0.0.1:6000 127.0.0.1:5000 users:((\"python\",pid=12,fd=3))\n"
+               "\t cubic bytes_sent:700 bytes_acked:701 bytes_received:1000\n")
+    monkeypatch.setattr(wire.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, listing, ""))
+    monkeypatch.setattr(wire.shutil, "which", lambda name: "/usr/bin/ss")
+    assert wire.tcp_sockets() == {("127.0.0.1:5000", "127.0.0.1:6000"): (11, 1000),
+                                  ("127.0.0.1:6000", "127.0.0.1:5000"): (12, 700)}

@@ -1,5 +1,5 @@
-"""Bytes on the wire as the kernel counts them: each TCP socket's ``bytes_sent`` (``ss -tinp``), summed by the pair
-of processes it connects. It checks the ledger from outside fxshard and torch: gloo's own framing (240 bytes per
+"""Bytes on the wire as the kernel counts them: each TCP socket's ``bytes_sent`` less its ``bytes_retrans``
+(``ss -tinp``: the data the process handed, not TCP's resends of it), summed by the pair of processes it connects. It checks the ledger from outside fxshard and torch: gloo's own framing (240 bytes per
 message on torch 2.13) and any traffic a profiler cannot see are in it.
 
     sent = sent_during(step)      # every rank calls it; on rank 0 {(sender rank, receiver rank): bytes}
@@ -21,12 +21,14 @@ from fxshard.errors import FxShardError
 # `ss -tinpH state established`: "Recv-Q Send-Q local peer users:((...,pid=P,fd=F))", then an indented info line
 _SOCKET = re.compile(r"^\d+\s+\d+\s+(\S+)\s+(\S+)\s+users:\(\(.*?pid=(\d+),")
 _BYTES_SENT = re.compile(r"\bbytes_sent:(\d+)")
+# resent segments (a tail-loss probe fires when a loaded machine delays the ACK): in bytes_sent, not in the data
+_BYTES_RETRANS = re.compile(r"\bbytes_retrans:(\d+)")
 
 Sockets = dict[tuple[str, str], tuple[int, int]]  # (local, peer address) -> (owner pid, bytes sent)
 
 
 def tcp_sockets() -> Sockets:
-    """Every established TCP socket this user can see, with its owner and the bytes it has sent."""
+    """Every established TCP socket this user can see, with its owner and the data bytes it has sent."""
     if shutil.which("ss") is None:
         raise FxShardError("counting bytes on the wire needs `ss` (iproute2) on the PATH")
     lines = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True, text=True,
@@ -36,8 +38,8 @@ def tcp_sockets() -> Sockets:
         found = _SOCKET.match(head)
         if found is None or not info.startswith(("\t", " ")):
             continue
-        sent = _BYTES_SENT.search(info)
-        sockets[(found[1], found[2])] = (int(found[3]), int(sent[1]) if sent else 0)
+        sent, resent = (int(m[1]) if (m := pattern.search(info)) else 0 for pattern in (_BYTES_SENT, _BYTES_RETRANS))
+        sockets[(found[1], found[2])] = (int(found[3]), sent - resent)
     return sockets
 
 
