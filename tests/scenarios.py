@@ -76,7 +76,7 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 def global_batch(model_name: str, size: int, generator: torch.Generator):
     if model_name.startswith("gpt"):
         return gpt_batch(GPTConfig(), size, generator)
-    d_in = 7 if model_name == "mlp_uneven" else 8
+    d_in = 7 if model_name in ("mlp_uneven", "mlp_temperature") else 8
     return torch.randn(size, d_in, generator=generator), torch.randn(size, 5, generator=generator)
 
 
@@ -237,12 +237,13 @@ class MLPWithTemperature(torch.nn.Module):
         return self.mlp(x) / self.temperature
 
 
-def state_dict_on_the_first_rank_only(stage: int, timeout_s: float, with_scalar: bool) -> dict:
+def state_dict_on_the_first_rank_only(stage: int, timeout_s: float, with_scalar: bool,
+                                     param_dtype: torch.dtype | None = None) -> dict:
     """``if rank == 0: model.state_dict()`` on a prepared MLP whose rows split unevenly, ``with_scalar``: with a
     0-d parameter too; returns what each rank saw (the first one's keys and value types, or its error) and how long
     it took."""
     rank, _ = rank_and_world()
-    backend = fxshard.backend(compiler="eager", stage=stage, collective_timeout_s=timeout_s)
+    backend = fxshard.backend(compiler="eager", stage=stage, collective_timeout_s=timeout_s, param_dtype=param_dtype)
     model, _ = backend.prepare(MLPWithTemperature() if with_scalar else build_model("mlp_uneven"))
     start = time.monotonic()
     try:
@@ -539,7 +540,8 @@ def ledger_against_measurement(model_name: str, stages=(0, 1, 2, 3), peak: bool 
             "compute copy and master": _storage_bytes([*model.parameters(), *masters, *(
                 b for n, b in model.named_buffers() if "_fxshard_full_" in n)]),
             "gradients": grads,
-            "optimizer state": _storage_bytes(v for s in opt.state.values() for v in s.values() if v.dim()),
+            # per-element state (a 0-d parameter's is 0-d too), not AdamW's step counter
+            "optimizer state": _storage_bytes(v for s in opt.state.values() for k, v in s.items() if k != "step"),
             "collectives": {k: (t["bytes"], t["calls"]) for k, t in counter.totals().items()},
         }
         ledger = budget.ledger(backend)
@@ -911,14 +913,17 @@ def decay_groups_by_ndim(stage: int, steps: int = 3) -> dict:
         if step == 0:
             grads_shaped = all(p.grad.shape == p.shape for p in model.parameters())
             # as an FSDP2 script logs it: a DTensor norm (stages 2, 3) is this rank's part until full_tensor()
-            reference_grad_norms = {n: p.grad.norm().item() for n, p in reference.named_parameters() if p.ndim}
+            reference_grad_norms = {n: p.grad.norm().item() for n, p in reference.named_parameters()}
             grad_norms = {n: (norm.full_tensor() if isinstance(norm := p.grad.norm(), DTensor) else norm).item()
-                          for n, p in model.named_parameters()
-                          if n in reference_grad_norms}  # (a 0-d one reports its flat shard at stages 2, 3)
-        for optimizer in (opt, reference_opt):
-            optimizer.step()
-            optimizer.zero_grad()
+                          for n, p in model.named_parameters()}
+        opt.step()
+        if step == 0:  # what a script logs after the step finds every gradient still there, as under DDP
+            grads_kept = all(p.grad is not None for p in model.parameters())
+        opt.zero_grad()
+        reference_opt.step()
+        reference_opt.zero_grad()
     return {"initial": initial, "final": full_state(model), "expected": reference.state_dict(), "decayed": decayed,
+            "grads_kept": grads_kept,
             "expected_decayed": sorted(n for n, p in reference.named_parameters() if p.ndim >= 2),
             "grads_shaped": grads_shaped, "grad_norms": grad_norms, "reference_grad_norms": reference_grad_norms}
 

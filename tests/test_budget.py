@@ -156,6 +156,13 @@ def test_ledger_equals_measured_bytes_at_world_3(measured_world3):
     _assert_exact(measured_world3)
 
 
+def test_ledger_equals_measured_bytes_with_a_0_d_parameter(pools):
+    # a 0-d parameter has no rows to split: stages 2 and 3 hold it whole and all-reduce its gradient (4 bytes)
+    results = pools(2).run(scenarios.ledger_against_measurement, "mlp_temperature")
+    _assert_exact(results)
+    assert all(r[stage]["measured"]["collectives"]["all_reduce"] == (4, 1) for r in results for stage in (2, 3))
+
+
 def test_ledger_counts_a_compiled_optimizer_steps_gathers_per_unit(pools):
     # the MLP's units hold a weight and a bias: the compiled step gathers each unit once, the eager step each
     # parameter; the ledger must read the step's graph, not assume the eager path

@@ -232,17 +232,20 @@ def test_train_gpt_resumes_bit_exactly_after_a_kill_in_the_middle_of_a_save(pool
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_state_dict_taken_on_the_first_rank_only_returns_its_rows_without_communicating(pools, stage):
-    first, second = pools(2).run(scenarios.state_dict_on_the_first_rank_only, stage, 2.0, False)
-    assert first["saved"] == {"fc1.weight": "DTensor", "fc1.bias": "DTensor", "fc2.weight": "DTensor",
-                              "fc2.bias": "DTensor"}, first
+@pytest.mark.parametrize("with_scalar", [False, True])
+def test_a_state_dict_taken_on_the_first_rank_only_returns_its_rows_without_communicating(pools, stage, with_scalar):
+    # a 0-d parameter has no rows to split: every rank holds it whole (a plain tensor) at stages 2 and 3
+    first, second = pools(2).run(scenarios.state_dict_on_the_first_rank_only, stage, 2.0, with_scalar)
+    prefix, scalar = ("mlp.", {"temperature": "Tensor"}) if with_scalar else ("", {})
+    assert first["saved"] == {**{f"{prefix}{name}": "DTensor" for name in ("fc1.weight", "fc1.bias", "fc2.weight",
+                                                                           "fc2.bias")}, **scalar}, first
     assert first["seconds"] < 1.0 and second["saved"] == {}
 
 
-def test_a_first_rank_only_state_dict_with_a_0_d_parameter_fails_naming_state_dict_and_the_right_form(pools):
-    # a 0-d parameter has no rows to split: every rank's state dict holds it whole, gathered
+def test_a_first_rank_only_state_dict_that_gathers_a_0_d_master_fails_naming_state_dict_and_the_right_form(pools):
+    # stage 1 under mixed precision saves the fp32 master, and a 0-d one lives on one rank: state_dict() gathers it
     try:
-        first, second = pools(2).run(scenarios.state_dict_on_the_first_rank_only, 3, 2.0, True)
+        first, second = pools(2).run(scenarios.state_dict_on_the_first_rank_only, 1, 2.0, True, torch.bfloat16)
     finally:
         pools(2).close()  # rank 0's group timed out: the next test gets fresh ranks
     assert second == {"saved": {}, "seconds": second["seconds"]}

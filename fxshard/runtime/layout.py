@@ -12,7 +12,8 @@ rows, or none). Tensors that every rank holds in full (stage 0, stage 1's parame
 
 Shards are row-aligned, so each rank's rows ARE the elements of its flat shard before its padding: the DTensor's
 local tensor is a view of the shard (no copy, no communication: a state dict is local, as FSDP2's is), and
-``dcp.load`` writes straight into it. A 0-d parameter has no rows: every rank gets it whole (one element gathered).
+``dcp.load`` writes straight into it. A 0-d parameter has no rows: in a stage-2/3 model every rank holds it whole
+(``sharding.layout_stage``); a stage-1 fp32 master of one (mixed precision) is gathered, one element.
 
 Under tensor parallelism (``fxshard/runtime/tensor_parallel.py``) fxshard shards each tp rank's local tensor, so
 the rows above are rows of that local tensor, and the DTensor has the parameter's global shape over two mesh
@@ -96,9 +97,8 @@ def rows_view(flat: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 
 def as_leaf_value(flat: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """What a stage-2/3 leaf holds of the flat shard ``flat``: the DTensor of the parameter's shape whose local
-    tensor is a view of this rank's rows in it (so an update of the leaf writes into ``flat``); a 0-d parameter has
-    no rows to split and keeps the flat one-element shard itself."""
-    return _as_dtensor(rows_view(flat, spec), spec) if spec.full_shape else flat
+    tensor is a view of this rank's rows in it (so an update of the leaf writes into ``flat``)."""
+    return _as_dtensor(rows_view(flat, spec), spec)
 
 
 def flat_shard(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -115,8 +115,8 @@ def flat_shard(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 def sharded_value(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """What a state dict holds for a flat shard of ``spec``'s parameter (a parameter, a master, an optimizer state
     of the parameter's layout): a DTensor of the full shape whose local tensor is a view of this rank's rows in the
-    shard. A 0-d parameter has no rows to split: every rank gets it whole (a plain tensor, gathered: one element,
-    a collective)."""
+    shard. A 0-d parameter has no rows to split (a stage-1 master of one): every rank gets it whole (a plain tensor,
+    gathered: one element, a collective)."""
     shard = shard.detach()
     if not spec.full_shape:
         return unsharded_value(gather_full(shard, spec), spec)
@@ -126,8 +126,6 @@ def sharded_value(shard: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 def rows_of_full(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """The state-dict value of a parameter whose full value this rank holds anyway (stage 2's resident copy): a
     DTensor whose local tensor is a view of this rank's rows. No communication."""
-    if not spec.full_shape:
-        return unsharded_value(full, spec)
     start, stop = spec.rows
     return _as_dtensor(full.detach()[start:stop], spec)
 

@@ -105,7 +105,7 @@ def shard_optimizer_over(
     existing state laid out the same way, with the stage's ``ShardedStep`` (collectives packed in buckets of up to
     ``bucket_bytes``) hooked around the update."""
     _check_optimizer(optimizer, leaves)
-    stage = spec_of(next(iter(leaves.values()))).stage if leaves else 3
+    stage = max((spec_of(leaf).stage for leaf in leaves.values()), default=3)  # (a 0-d one's may be lower)
     updated = {key: prepared_param(leaf).updated for key, leaf in leaves.items()}
     state = {}
     for param, param_state in optimizer.state.items():
@@ -221,8 +221,11 @@ class FlatShardUpdate:
     @torch.compiler.disable
     def after_update(self) -> None:
         # a flat shard's gradient lives from the reduce-scatter or hand-over to the update: the next step must not
-        # see it again
-        for _, flat in self.pairs:
+        # see it again. A tensor updated as the model holds it (a 0-d parameter of stages 2, 3) keeps its gradient
+        # for the script, held aside from the outer update like the leaves'.
+        for leaf, flat in self.pairs:
+            if flat is leaf and leaf.grad is not None:
+                self._held_aside.append((leaf, leaf.grad))
             flat.grad = None
         self.share_state()
 
@@ -326,10 +329,7 @@ class ShardedStep:
 
 def flat_gradient(grad: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """The flat, zero-padded gradient of a stage-2/3 leaf's gradient: the flat gradient its rows are a view of, where
-    they are one (what the hand-over hook of ``prepare`` gives the leaf), else its rows padded (a copy); a 0-d
-    parameter's leaf is flat already."""
-    if not isinstance(grad, DTensor):
-        return grad
+    they are one (what the hand-over hook of ``prepare`` gives the leaf), else its rows padded (a copy)."""
     rows = grad.to_local()
     base = view_base(rows)
     if base is not None and base.dim() == 1 and base.numel() == spec.chunk and rows.data_ptr() == base.data_ptr():
@@ -474,26 +474,30 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
 
 def _global_grad_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """The ``norm_type`` norm of the whole model's gradient, from the averaged gradients of ``params`` (tensors
-    prepare laid out, of one stage) that this rank holds: a collective over their group, the same on every rank."""
+    prepare laid out) that this rank holds: a collective over their groups, the same on every rank."""
     op = "max" if norm_type == math.inf else "sum"
-    # a gradient split over a tensor-parallel dimension adds its tp ranks' terms; a Replicate one counts once
-    grads_over: dict[str, list[torch.Tensor]] = {}  # tp group ("": none) -> gradients split over it
+    # A gradient's term is added over the ranks that hold disjoint pieces of it: its tp group where it is split over
+    # one, fxshard's group where this rank holds a shard of it; a term every rank holds alike (a Replicate tp piece,
+    # a parameter every rank holds whole) counts once.
+    grads_over: dict[tuple[str, str], list[torch.Tensor]] = {}  # (tp group, shard group; "": none) -> gradients
     for param in params:
-        tp = spec_of(param).tensor_parallel
-        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad  # this rank's rows
-        grads_over.setdefault(tp.group_name if tp is not None and tp.splits else "", []).append(grad)
+        spec = spec_of(param)
+        tp = spec.tensor_parallel
+        sharded = spec.stage >= 2 or prepared_param(param).master is param
+        groups = (tp.group_name if tp is not None and tp.splits else "", spec.group_name if sharded else "")
+        grads_over.setdefault(groups, []).append(param.grad.to_local() if isinstance(param.grad, DTensor)
+                                                 else param.grad)  # this rank's rows
     terms = []
-    for tp_group, grads in grads_over.items():
+    for groups, grads in grads_over.items():
         if norm_type == math.inf:
             term = torch.stack([g.abs().max() for g in grads]).max()
         else:
             term = torch.stack([torch.linalg.vector_norm(g, norm_type) ** norm_type for g in grads]).sum()
-        terms.append(_c10d.wait_tensor(_c10d.all_reduce(term, op, tp_group)) if tp_group else term)
-    local = torch.stack(terms).max() if norm_type == math.inf else torch.stack(terms).sum()
-    spec = spec_of(params[0])
-    if spec.stage >= 2 or prepared_param(params[0]).master is params[0]:  # each rank holds a disjoint shard of it
-        local = _c10d.wait_tensor(_c10d.all_reduce(local, op, spec.group_name))
-    return local if norm_type == math.inf else local ** (1.0 / norm_type)
+        for group in filter(None, groups):
+            term = _c10d.wait_tensor(_c10d.all_reduce(term, op, group))
+        terms.append(term)
+    total = torch.stack(terms).max() if norm_type == math.inf else torch.stack(terms).sum()
+    return total if norm_type == math.inf else total ** (1.0 / norm_type)
 
 
 @torch.no_grad()

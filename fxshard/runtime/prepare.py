@@ -63,7 +63,7 @@ from .param import (
     register_replaced,
     spec_of,
 )
-from .sharding import MarkerLayout, ShardSpec, shard_of
+from .sharding import MarkerLayout, ShardSpec, layout_stage, shard_of
 from .step_clock import StepClock
 from .tensor_parallel import (
     TensorParallel,
@@ -159,7 +159,8 @@ def _saved_value(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 
 
 _STATE_DICT_IS_COLLECTIVE = (
-    "model.state_dict(), which gathers every 0-d parameter (it has no rows to split over the ranks; stages 2, 3) and "
+    "model.state_dict(), which gathers the fp32 master of every 0-d parameter (it has no rows to split over the ranks; "
+    "stage 1 under mixed precision) and "
     "so runs on every rank. A rank-0-only save (`if rank == 0: torch.save(model.state_dict(), path)`) waits for "
     "ranks that never come, and would hold rank 0's rows only: call get_model_state_dict(model, "
     "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on every rank and torch.save its result on "
@@ -352,7 +353,8 @@ def shard_parameters(
         replicas["mesh_group_name"] = collective_group(every, collective_timeout_s).group_name
     synced_over = [group] if replicate_group is None else [group, replicate_group]
     specs = _specs_by_parameter(model, lambda name, param: ShardSpec(
-        name, tuple(local_tensor(param).shape), world_size, rank, group_name, stage, param_dtype, reduce_dtype,
+        name, tuple(local_tensor(param).shape), world_size, rank, group_name,
+        layout_stage(stage, local_tensor(param).shape), param_dtype, reduce_dtype,
         **replicas, tensor_parallel=tensor_parallel.get(id(param))))
     records: dict[int, PreparedParam] = {}  # (kept alive here until the modules that own them take them)
     if born_on_meta(model):

@@ -58,6 +58,16 @@ class MarkerLayout(str, enum.Enum):
                 MarkerLayout.REPLICATED: "all_reduce"}.get(self)
 
 
+def layout_stage(model_stage: int, shape) -> int:
+    """The stage a parameter of ``shape`` is laid out at in a model prepared at ``model_stage``: the model's, except
+    that a 0-d parameter in a stage-2/3 model is laid out as at stage 0 (every rank holds it whole and all-reduces its
+    gradient). It has no rows to split: as a shard it would be one element on the first rank and padding on the
+    rest, so neither its leaf (a DTensor of shape ``()`` cannot be ``Shard(0)``) nor its state dict value could be
+    local. FSDP2 refuses such parameters; they are common (CLIP's ``logit_scale``), and one element all-reduced costs
+    what a gather of it would."""
+    return 0 if model_stage >= 2 and not len(shape) else model_stage
+
+
 def unit_of(fqn: str) -> str:
     """The module that uses a parameter: ``"blocks.0.attn.qkv.weight"`` -> ``"blocks.0.attn.qkv"``; a parameter of
     the model itself (``"scale"``) belongs to the unit ``"root"``."""
@@ -105,11 +115,9 @@ class ShardSpec:
     @property
     def leaf_shape(self) -> tuple[int, ...]:
         """The shape the trainable leaf the model holds reports: at stages 2 and 3 the parameter's own (a DTensor of
-        this rank's rows, ``fxshard/runtime/layout.py``; a 0-d parameter: its flat one-element shard), else the full
-        parameter's (under tensor parallelism, at stages 0 and 1, its local piece's)."""
-        if not self.trains_shard:
-            return self.full_shape
-        return self.global_shape if self.full_shape else (self.chunk,)
+        this rank's rows, ``fxshard/runtime/layout.py``), else the full parameter's (under tensor parallelism, at
+        stages 0 and 1, its local piece's)."""
+        return self.global_shape if self.trains_shard else self.full_shape
 
     @property
     def marker_layout(self) -> MarkerLayout:
