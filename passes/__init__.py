@@ -6,7 +6,7 @@ A pass documents what it assumes about the graph and what it guarantees, records
 
 from .bucket import bucket_pass
 from .context import PassContext
-from .cost_model import CostModel, exposed_communication
+from .cost_model import Machine, exposed_communication
 from .lower_collectives import lower_collectives_pass
 from .merge_tied_grads import merge_tied_grads_pass
 from .prefetch import make_prefetch_pass, prefetch_pass
@@ -14,6 +14,6 @@ from .recompute_gathers import recompute_gathers_pass
 from .shard_optimizer import shard_optimizer_pass
 from .twin_groups import twin_groups_pass
 
-__all__ = ["CostModel", "PassContext", "bucket_pass", "exposed_communication",
+__all__ = ["Machine", "PassContext", "bucket_pass", "exposed_communication",
            "lower_collectives_pass", "make_prefetch_pass", "merge_tied_grads_pass", "prefetch_pass",
            "recompute_gathers_pass", "shard_optimizer_pass", "twin_groups_pass"]

@@ -10,6 +10,7 @@ import torch
 
 from fxshard.runtime.groups import COLLECTIVE_TIMEOUT_S
 
+from .cost_model import GLOO_ON_CPU, Machine
 from .quantize import DEFAULT_QUANTIZE_BLOCK
 
 GraphKind = Literal["joint", "forward", "backward", "inference", "optimizer"]
@@ -43,6 +44,9 @@ class PassContext:
         under tensor parallelism) run on ``twin`` instead, fxshard's one-worker gloo twin of the same ranks.
     secondary_group_name, secondary_rank: with ``reshard_after_forward=k`` (1 < k < world_size), the group of the k
         consecutive ranks of the shard group this rank re-gathers from in backward, and this rank's place in it.
+    machine: what the ranks and their links can do (``cost_model.Machine``): the one estimator of time the prefetch
+        pass places gathers by and autotune and the simulator predict with (the backend's ``machine=``, else its
+        device's default; the same on every rank).
 
     Knobs (``fxshard.backend(stage, **knobs)``; every field below is one):
     reshard_after_forward: stage 3 only: free gathered weights after forward and gather again in backward (True,
@@ -101,6 +105,7 @@ class PassContext:
     group_twins: tuple[tuple[str, str], ...] = ()
     secondary_group_name: str = ""
     secondary_rank: int = 0
+    machine: Machine = GLOO_ON_CPU
     reshard_after_forward: bool | int = True
     bucket: str | int = "layer"
     blocks: Sequence[str | type] = ()
@@ -118,5 +123,5 @@ class PassContext:
 
 
 FACTS = ("stage", "graph", "world_size", "group_name", "optimizer_bytes", "reduce_scatter_by_all_to_all",
-         "group_twins", "secondary_group_name", "secondary_rank")
+         "group_twins", "secondary_group_name", "secondary_rank", "machine")
 KNOBS = tuple(f.name for f in dataclasses.fields(PassContext) if f.name not in FACTS)

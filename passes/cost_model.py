@@ -1,34 +1,112 @@
-"""A cost model that works on CPU: seconds per graph node from FLOPs, bytes touched and bytes sent.
+"""The one estimator of time: what the prefetch pass places gathers by, and what the simulator, autotune and the
+report predict with. ``Machine`` is the only set of constants; ``machine=`` on the backend moves placement and
+prediction together (the passes read it as ``PassContext.machine``).
 
-Inductor's overlap scheduler estimates collectives with NCCL formulas and compute with GPU peak numbers
-(``get_gpu_dram_gbps`` needs triton), so it cannot run on a CPU-only machine. This model is a roofline of four numbers,
-read from ``meta["val"]`` (FakeTensors) only:
+Read from ``meta["val"]`` (FakeTensors) only, so it runs on a CPU-only machine (Inductor's own estimator needs triton
+and GPU peak figures):
 
-- a compute node takes ``max(flops / flops_per_s, bytes / memory_bytes_per_s)``: FLOPs from
-  ``torch.utils.flop_counter.flop_registry`` (matmuls, convolutions, attention), bytes = its tensor inputs and outputs;
-  views and ``getitem`` are free;
-- a collective takes ``latency_s + sent / link_bytes_per_s``, where a ring all-gather or reduce-scatter sends
-  (N-1)/N of the full buffer per rank and an all-reduce twice that;
-- waits and everything else that moves no data cost nothing.
+- a compute node takes ``flops / flops_per_s`` for ops torch's flop counter knows (matmuls, convolutions,
+  attention), else its bytes written / ``memory_bandwidth`` (none for a view or a getitem of a multi-output op's
+  result), plus ``op_overhead`` (the Python and dispatcher cost of one node of an eager-compiled graph);
+- a ring collective on N ranks with a full buffer of B bytes takes ``collective_overhead + (N-1)·latency +
+  (N-1)/N·B/bandwidth``, an all-reduce two such ring passes (one overhead); an all-to-all (fxshard's reduce-scatter
+  on gloo, and every quantized one) sends the same bytes to every peer at once: ``collective_overhead +
+  (N-1)·latency + (N-1)/N·B/all_to_all_bandwidth`` (a message per peer);
+- a collective across the replicas of a hybrid mesh runs on their R ranks and the inter-group network
+  (``replicate_*``), a re-gather from secondary shards on its k ranks and the node's link (``node_*``);
+- waits, and everything else that moves no data, cost nothing.
 
-The defaults are round numbers for one CPU thread per rank and gloo over loopback; ``CostModel.measured(group)``
-times a matmul, a copy and an all-gather on this machine instead. Scheduling decisions must be the same on every
-rank (a different collective order on two ranks hangs or mixes up buffers), so ``measured`` averages its
-measurements over the group and the defaults are constants.
+Scheduling decisions must be the same on every rank (a different collective order on two ranks hangs or mixes up
+buffers): a ``Machine`` is a constant, or calibrated and averaged over the group (``fxshard.simulate.calibrate``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 from torch import fx
-from fxshard.runtime.collectives import COLLECTIVE_ROLES
-from fxshard.torch_compat import FLOPS_COUNTED_AS, tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT, collective_of
+from fxshard.torch_compat import FLOPS_COUNTED_AS, tree_flatten, tree_map
+
 from .fx_utils import aliases_its_input, replica_ranks, size_hint
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What one rank and the network can do. Defaults are round numbers for a CPU host on a fast LAN."""
+
+    flops_per_s: float = 5e10
+    """FLOP/s of an op that torch's flop counter knows (matmuls, attention)."""
+    memory_bandwidth: float = 1e10
+    """Bytes/s written by an op without a flop formula."""
+    bandwidth: float = 1e10
+    """Bytes/s per rank on the ring."""
+    latency: float = 2e-5
+    """Seconds per ring hop of one collective."""
+    collective_overhead: float = 0.0
+    """Seconds per collective at any world size: issuing it, handing it to the backend's thread, waking the rank
+    that waits for it."""
+    op_overhead: float = 0.0
+    """Seconds per compute node of a graph, on top of its work: Python and dispatch of the compiled graph."""
+    step_overhead: float = 0.0
+    """Seconds per step outside the graphs and the optimizer's update: autograd engine, compiled-function
+    wrappers, the optimizer's Python, zero_grad."""
+    replicate_bandwidth: float | None = None
+    """Bytes/s per rank on the ring across the replica groups of a hybrid mesh (often a slower inter-node network);
+    None: ``bandwidth``."""
+    replicate_latency: float | None = None
+    """Seconds per ring hop across the replica groups of a hybrid mesh; None: ``latency``."""
+    node_bandwidth: float | None = None
+    """Bytes/s per rank inside a node: what the re-gathers from secondary shards (``reshard_after_forward=k``) run
+    on, k ranks of one node; None: ``bandwidth``."""
+    node_latency: float | None = None
+    """Seconds per ring hop inside a node; None: ``latency``."""
+    overlap: float = 1.0
+    """Share of a collective's time that can run under compute: 1 where the network moves the bytes on its own
+    (NCCL, an RDMA NIC); less where moving them takes the cores compute runs on (gloo between the processes of one
+    host: the kernel copies every byte through its sockets). The rest holds the compute stream as well."""
+    all_to_all_bandwidth: float | None = None
+    """Bytes/s per rank of an all-to-all: fxshard's reduce-scatter on gloo and every quantized one, each rank
+    sending its rows to every peer at once (gloo on one host moves them faster than an all-gather's); None:
+    ``bandwidth``."""
+    name: str = "custom"
+    """What the figures describe, as reports and ``python -m fxshard simulate`` name the machine."""
+
+    def across_replicas(self) -> Machine:
+        """This machine with the inter-group network as its ring: what a collective across the replicas of a hybrid
+        mesh runs on (the per-collective overhead is the host's, the same on either network)."""
+        return dataclasses.replace(
+            self, bandwidth=self.bandwidth if self.replicate_bandwidth is None else self.replicate_bandwidth,
+            latency=self.latency if self.replicate_latency is None else self.replicate_latency)
+
+    def inside_node(self) -> Machine:
+        """This machine with a node's own link as its ring: what a re-gather from secondary shards runs on."""
+        return dataclasses.replace(
+            self, bandwidth=self.bandwidth if self.node_bandwidth is None else self.node_bandwidth,
+            latency=self.latency if self.node_latency is None else self.node_latency)
+
+
+GLOO_ON_CPU = Machine(flops_per_s=8.75e10, memory_bandwidth=1.0e10, bandwidth=9.75e8, latency=0.0,
+                      collective_overhead=2.1e-3, op_overhead=9.0e-6, overlap=0.48, all_to_all_bandwidth=1.27e9,
+                      name="GLOO_ON_CPU (gloo on one CPU host, calibrated)")
+"""gloo between processes of one host, one CPU thread per rank: what ``fxshard.simulate.calibrate`` measured on 2 ranks with the
+benchmark GPT at stage 3 (the machine, the date and how close its predictions came: docs/simulate.md). What sets it
+apart: a per-collective overhead far above the per-hop latency, an all-to-all faster than an all-gather, less than
+half of a collective's time hidden by compute (the rest takes the cores compute runs on)."""
+
+NCCL_ON_GPU = Machine(flops_per_s=5e13, memory_bandwidth=2e12, bandwidth=5e10, latency=5e-6,
+                      collective_overhead=2e-5, name="NCCL_ON_GPU (one GPU node, stated figures)")
+"""NCCL between GPUs of one node: stated (a ring of ~50 GB/s per rank, ~20 µs to launch a collective), not
+calibrated; ``calibrate`` on your own cluster for figures to trust."""
+
+
+def default_machine(device_type: str) -> Machine:
+    """The machine graphs on ``device_type`` are scheduled and predicted on when none is given: ``NCCL_ON_GPU`` for
+    ``cuda``, else ``GLOO_ON_CPU``."""
+    return NCCL_ON_GPU if device_type == "cuda" else GLOO_ON_CPU
 
 
 def tensor_bytes(value) -> int:
@@ -57,104 +135,97 @@ def node_flops(node: fx.Node) -> int:
         return 0
 
 
-def _is_free(node: fx.Node) -> bool:
-    return node.op != "call_function" or aliases_its_input(node)
+def compute_seconds(node: fx.Node, machine: Machine) -> float:
+    """``flops / flops_per_s`` where torch's flop counter knows the op, else its bytes written / ``memory_bandwidth``
+    (none for a view or a getitem of a multi-output op's result), plus ``op_overhead``; a placeholder or the output
+    costs nothing."""
+    if node.op != "call_function":
+        return 0.0
+    flops = node_flops(node)
+    if flops:
+        return flops / machine.flops_per_s + machine.op_overhead
+    written = 0 if aliases_its_input(node) else tensor_bytes(node.meta.get("val"))
+    return written / machine.memory_bandwidth + machine.op_overhead
 
 
-def best_time(fn, repeats: int = 5) -> float:
-    """The shortest of ``repeats`` timed calls of ``fn`` (after one untimed warm-up call), in seconds."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def collective_seconds(kind: str, full_bytes: float, world: int, machine: Machine) -> float:
+    """Alpha-beta time of one collective whose full (unsharded) buffer has ``full_bytes``, plus the machine's
+    per-collective overhead: a ring pass, two for an all-reduce (reduce-scatter, then all-gather), or for an
+    ``all_to_all`` the same bytes at ``all_to_all_bandwidth``, a message to each of the other ranks (one latency
+    each, as a ring pays one per hop)."""
+    if world <= 1:
+        return 0.0
+    if kind == "all_to_all":
+        bandwidth = machine.all_to_all_bandwidth or machine.bandwidth
+        return machine.collective_overhead + (world - 1) * machine.latency + (world - 1) / world * full_bytes / bandwidth
+    one_pass = (world - 1) * machine.latency + (world - 1) / world * full_bytes / machine.bandwidth
+    return machine.collective_overhead + (2 if kind == "all_reduce" else 1) * one_pass
 
 
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """Seconds per node: ``compute_s`` for computation, ``collective_s`` for communication (see the module doc)."""
-
-    flops_per_s: float = 2e10
-    memory_bytes_per_s: float = 5e9
-    link_bytes_per_s: float = 1e9
-    latency_s: float = 1e-4
-
-    def compute_s(self, node: fx.Node) -> float:
-        if _is_free(node):
-            return 0.0
-        touched = tensor_bytes(node.meta.get("val")) + sum(
-            tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-        return max(node_flops(node) / self.flops_per_s, touched / self.memory_bytes_per_s)
-
-    def collective_s(self, node: fx.Node, world_size: int) -> float:
-        """Time of a collective node (role ``all_gather``, ``reduce_scatter`` or ``all_reduce``) over ``world_size``
-        ranks, or over the ``ranks`` its meta names (a hybrid mesh's replicas)."""
-        role = node.meta["fxshard"]["role"]
-        world_size = replica_ranks(node) or world_size
-        full = tensor_bytes(node.meta.get("val") if role == "all_gather" else node.args[0].meta.get("val"))
-        share = (world_size - 1) / max(world_size, 1)
-        sent = full * share * (2 if role == "all_reduce" else 1)
-        return self.latency_s + sent / self.link_bytes_per_s
-
-    def node_s(self, node: fx.Node, world_size: int) -> float:
-        if node.meta.get("fxshard", {}).get("role") in COLLECTIVE_ROLES:
-            return self.collective_s(node, world_size)
-        if node.meta.get("fxshard", {}).get("role") == "wait":
-            return 0.0
-        return self.compute_s(node)
-
-    @classmethod
-    def measured(cls, group=None, repeats: int = 5) -> CostModel:
-        """Calibrate on this machine: a 256x256 matmul, a 16 MiB copy and (with an initialized process group) a
-        1 MiB all-gather, each the best of ``repeats``; averaged over the group so every rank schedules alike."""
-        import torch.distributed as dist
-
-        def best(fn) -> float:
-            return best_time(fn, repeats)
-
-        a = torch.randn(256, 256)
-        flops_per_s = 2 * 256**3 / best(lambda: a @ a)
-        source = torch.empty(4 << 20)
-        target = torch.empty_like(source)
-        memory_bytes_per_s = 2 * source.nbytes / best(lambda: target.copy_(source))
-        figures = [flops_per_s, memory_bytes_per_s, cls.link_bytes_per_s, cls.latency_s]
-        if dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size(group)
-            shard = torch.empty((1 << 18) // world)
-            full = torch.empty(shard.numel() * world)
-            tiny, tiny_full = torch.empty(1), torch.empty(world)
-            latency = best(lambda: dist.all_gather_into_tensor(tiny_full, tiny, group=group))
-            big = best(lambda: dist.all_gather_into_tensor(full, shard, group=group))
-            sent = full.nbytes * (world - 1) / world
-            figures[2:] = [sent / max(big - latency, 1e-9), latency]
-            agreed = torch.tensor(figures, dtype=torch.float64)
-            dist.all_reduce(agreed, group=group)
-            figures = (agreed / world).tolist()
-        return cls(*figures)
+def collective_role(node: fx.Node) -> str | None:
+    return node.meta.get("fxshard", {}).get("role")
 
 
-def exposed_communication(gm: fx.GraphModule, world_size: int, model: CostModel | None = None) -> dict:
+def full_bytes(node: fx.Node, role: str) -> float:
+    """Bytes of a collective's full buffer: the gathered output, or what is reduced (across replicas: the gradient
+    shard)."""
+    return tensor_bytes((node.meta if role == "all_gather" else node.args[0].meta).get("val"))
+
+
+def ring_of(node: fx.Node, world: int, machine: Machine) -> tuple[int, Machine]:
+    """(ranks, machine) a collective node runs on: across the replicas of a hybrid mesh, their ranks on the
+    inter-group network; a re-gather from secondary shards, its ranks on the node's link; else the ``world``
+    ranks on the ring's own figures."""
+    meta = node.meta.get("fxshard", {})
+    if meta.get("across") == "secondary":
+        return meta["ranks"], machine.inside_node()
+    return replica_ring(replica_ranks(node), world, machine)
+
+
+def replica_ring(replicas: int | None, world: int, machine: Machine) -> tuple[int, Machine]:
+    """(ranks, machine) of a collective across ``replicas`` ranks of a hybrid mesh (the inter-group network), or
+    where ``replicas`` is None of one over the ``world`` ranks on the ring's own figures."""
+    return (world, machine) if replicas is None else (replicas, machine.across_replicas())
+
+
+def node_collective_seconds(node: fx.Node, world: int, machine: Machine) -> float:
+    """Time of a collective node as the graph holds it (its op's kind, bytes and group; a node a pass marked with a
+    collective role, but whose op is none torch has, by its role) over ``world`` ranks."""
+    role = collective_role(node)
+    collective = collective_of(node.target)
+    return collective_seconds(role if collective is None else collective.kind, full_bytes(node, role),
+                              *ring_of(node, world, machine))
+
+
+def node_seconds(node: fx.Node, world: int, machine: Machine) -> float:
+    """Time of any node: a collective's on the communication stream, a wait's nothing, else its compute."""
+    role = collective_role(node)
+    if role in COLLECTIVE_ROLES:
+        return node_collective_seconds(node, world, machine)
+    if node.op != "call_function" or node.target is WAIT:
+        return 0.0
+    return compute_seconds(node, machine)
+
+
+def exposed_communication(gm: fx.GraphModule, world_size: int, machine: Machine = GLOO_ON_CPU) -> dict:
     """Estimate, for a lowered graph in its current order, how much communication compute hides.
 
     A collective overlaps the compute between it and its ``wait``; what it does not cover is exposed. Collectives
     are taken one at a time (a real link runs them in sequence, so this is a lower bound on exposed time).
     Returns ``{"compute_s", "communication_s", "exposed_s"}``.
     """
-    model = model or CostModel()
     compute = communication = exposed = 0.0
     pending: dict[fx.Node, list[float]] = {}  # collective -> [its time, compute seen since it was issued]
     for node in gm.graph.nodes:
-        role = node.meta.get("fxshard", {}).get("role")
+        role = collective_role(node)
         if role in COLLECTIVE_ROLES:
-            pending[node] = [model.collective_s(node, world_size), 0.0]
+            pending[node] = [node_collective_seconds(node, world_size, machine), 0.0]
             communication += pending[node][0]
-        elif role == "wait" and node.args and node.args[0] in pending:
+        elif node.target is WAIT and node.args and node.args[0] in pending:
             needed, covered = pending.pop(node.args[0])
             exposed += max(0.0, needed - covered)
         elif node.op == "call_function":
-            seconds = model.compute_s(node)
+            seconds = compute_seconds(node, machine)
             compute += seconds
             for entry in pending.values():
                 entry[1] += seconds

@@ -20,8 +20,9 @@ in a row, so nothing overlaps. This pass moves nodes (it never adds, removes or 
   by compute, views of the buffer included); a gather that would exceed that is issued after the compute that frees
   an earlier one, and never later than where the lowering put it. Buffers kept for backward
   (``reshard_after_forward=False``) are the memory ledger's business, not this cap's;
-- ``prefetch`` is the most units ahead a gather goes: the ``CostModel`` estimates each gather's time and the
-  compute of the units in between, and the gather goes only as far ahead as it needs to be hidden (less memory).
+- ``prefetch`` is the most units ahead a gather goes: the cost model (``cost_model.py`` on ``ctx.machine``, what
+  the simulator predicts with) estimates each gather's time and the compute of the units in between, and the
+  gather goes only as far ahead as it needs to be hidden (less memory).
   (Under ``memory_budget`` the backend tries less eager ``prefetch`` / ``max_inflight_gathers`` pairs too and keeps
   the fastest that fits: ``fxshard.simulate.autotune``; this pass schedules the pair it is given.)
 - in forward and backward graphs, a gather goes ahead only where it keeps the graph's estimated peak where it is
@@ -62,7 +63,7 @@ from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT
 from fxshard.torch_compat import graph_root
 
 from .context import PassContext
-from .cost_model import CostModel, tensor_bytes
+from .cost_model import Machine, compute_seconds, node_collective_seconds, tensor_bytes
 from .fx_utils import is_view, position
 
 SCHEDULED_GRAPHS = ("forward", "backward", "inference")
@@ -257,7 +258,7 @@ def _after_reduction(slot: int, natural: int, start: int, work_before: list[floa
     return position
 
 
-def _keys(gm: fx.GraphModule, ctx: PassContext, model: CostModel) -> tuple[dict, list[_Collective], dict]:
+def _keys(gm: fx.GraphModule, ctx: PassContext, machine: Machine) -> tuple[dict, list[_Collective], dict]:
     """The wanted position of every movable node: (slot, phase, group, anchor, original position).
 
     slot: the position (in the original order) of the compute node this node should precede or follow;
@@ -273,8 +274,8 @@ def _keys(gm: fx.GraphModule, ctx: PassContext, model: CostModel) -> tuple[dict,
     comm_nodes = {n for c in collectives for n in (*c.issue, *c.completion)}
     work_before = [0.0]
     for node in graph.nodes:
-        work_before.append(work_before[-1] + (0.0 if node in comm_nodes else model.compute_s(node)))
-    comm_s = {c.node: model.collective_s(c.node, ctx.world_size) for c in collectives}
+        work_before.append(work_before[-1] + (0.0 if node in comm_nodes else compute_seconds(node, machine)))
+    comm_s = {c.node: node_collective_seconds(c.node, ctx.world_size, machine) for c in collectives}
     gathers = sorted((c for c in collectives if c.node.meta["fxshard"]["role"] == "all_gather"),
                      key=lambda c: (c.first_use, order[c.node]))
     reductions = [c for c in collectives if c.node.meta["fxshard"]["role"] != "all_gather"]
@@ -370,10 +371,9 @@ def _signature(gm: fx.GraphModule) -> list[tuple]:
     return [(n.name, str(n.target), repr(describe(n.args)), repr(describe(n.kwargs))) for n in gm.graph.nodes]
 
 
-def make_prefetch_pass(cost_model: CostModel | None = None):
-    """A prefetch pass that estimates with ``cost_model`` (e.g. ``CostModel.measured(group)``) instead of the
-    default constants; put it in place of ``prefetch_pass`` in ``passes=``."""
-    model = cost_model or CostModel()
+def make_prefetch_pass(machine: Machine | None = None):
+    """A prefetch pass that places gathers by ``machine``'s figures instead of the backend's (``ctx.machine``); put it
+    in place of ``prefetch_pass`` in ``passes=``."""
 
     def prefetch_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if ctx.graph not in SCHEDULED_GRAPHS:
@@ -386,24 +386,24 @@ def make_prefetch_pass(cost_model: CostModel | None = None):
             check_pure_reorder(before, result, f"schedule={getattr(ctx.schedule, '__name__', ctx.schedule)!r}")
             result.recompile()
             return result
-        return _schedule(gm, ctx, model)
+        return _schedule(gm, ctx, machine or ctx.machine)
 
     prefetch_pass.__doc__ = __doc__
     return prefetch_pass
 
 
-def _schedule(gm: fx.GraphModule, ctx: PassContext, model: CostModel) -> fx.GraphModule:
+def _schedule(gm: fx.GraphModule, ctx: PassContext, machine: Machine) -> fx.GraphModule:
     if ctx.prefetch == 0:
         return gm
-    keys, collectives, facts = _keys(gm, ctx, model)
+    keys, collectives, facts = _keys(gm, ctx, machine)
     if not collectives:
         return gm
     reorder(gm, _list_schedule(gm.graph, keys))
-    _record(gm, ctx, model, collectives, facts)
+    _record(gm, machine, collectives, facts)
     return gm
 
 
-def _record(gm: fx.GraphModule, ctx: PassContext, model: CostModel, collectives, facts) -> None:
+def _record(gm: fx.GraphModule, machine: Machine, collectives, facts) -> None:
     order = position(gm.graph)
     nodes = list(gm.graph.nodes)
     comm_nodes = {n for c in collectives for n in (*c.issue, *c.completion)}
@@ -412,7 +412,7 @@ def _record(gm: fx.GraphModule, ctx: PassContext, model: CostModel, collectives,
         wait = next((n for n in collective.completion if n.meta["fxshard"]["role"] == "wait"), None)
         end = order[wait] if wait is not None else len(nodes) - 1
         between = nodes[order[node] + 1 : end]
-        overlap = sum(model.compute_s(n) for n in between if n not in comm_nodes)
+        overlap = sum(compute_seconds(n, machine) for n in between if n not in comm_nodes)
         issued_before = next((n.name for n in nodes[order[node] + 1 :] if n not in comm_nodes), "output")
         record = {"issued_before": issued_before, "comm_s": facts["comm_s"][node], "overlap_s": overlap,
                   "exposed_s": max(0.0, facts["comm_s"][node] - overlap)}
@@ -424,4 +424,4 @@ def _record(gm: fx.GraphModule, ctx: PassContext, model: CostModel, collectives,
 
 prefetch_pass = make_prefetch_pass()
 
-__all__ = ["CostModel", "check_pure_reorder", "make_prefetch_pass", "prefetch_pass", "reorder"]
+__all__ = ["check_pure_reorder", "make_prefetch_pass", "prefetch_pass", "reorder"]

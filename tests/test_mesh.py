@@ -229,13 +229,13 @@ def test_the_simulated_step_defaults_to_the_shard_group(hybrid_stage_3, tmp_path
 
 
 def test_the_cost_model_times_the_replicas_all_reduce_over_r_ranks(hybrid_stage_3):
-    from fxshard.passes import CostModel
+    from fxshard.passes.cost_model import Machine, node_collective_seconds
 
     backward = next(r.final for r in hybrid_stage_3.graphs if r.kind == "backward")
-    model = CostModel(latency_s=0.0)
+    machine = Machine(latency=0.0, replicate_bandwidth=1e9)
     replicas = [n for n in backward.graph.nodes if n.meta.get("fxshard", {}).get("across") == "replicate"]
     assert len(replicas) == 3
     for node in replicas:
         shard_bytes = node.args[0].meta["val"].numel() * 4
         ring = 2 * (MESH[0] - 1) / MESH[0] * shard_bytes  # an all-reduce over R ranks, whatever the world
-        assert model.collective_s(node, world_size=64) == ring / model.link_bytes_per_s
+        assert node_collective_seconds(node, 64, machine) == pytest.approx(ring / machine.replicate_bandwidth)

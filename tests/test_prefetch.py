@@ -9,7 +9,7 @@ from torch import fx, nn
 import fxshard
 import scenarios
 from examples.models import Block
-from fxshard.passes import CostModel, PassContext, exposed_communication, make_prefetch_pass, prefetch_pass
+from fxshard.passes import Machine, PassContext, exposed_communication, make_prefetch_pass, prefetch_pass
 from expecttest import assert_expected_inline
 
 from fxshard.testing import fake_process_group
@@ -303,10 +303,10 @@ def lookaheads(gm) -> list[int]:
 
 
 def test_the_cost_model_goes_only_as_far_ahead_as_hiding_needs(scheduled):
-    # default constants: a gather's latency (1e-4 s) dwarfs these tiny matmuls, so every gather goes 2 units ahead
+    # the default machine (GLOO_ON_CPU): a gather's 2.1 ms overhead dwarfs these tiny matmuls: 2 units ahead each
     assert lookaheads(scheduled[2]["forward"]) == [2, 2, 2, 2]
     # free communication: one unit ahead already hides it, so no gather goes further (less memory)
-    free = make_prefetch_pass(CostModel(latency_s=0.0, link_bytes_per_s=float("inf")))
+    free = make_prefetch_pass(Machine(latency=0.0, bandwidth=float("inf"), all_to_all_bandwidth=float("inf")))
     passes = [*fxshard.default_passes()[:-1], free]
     graphs = compile_four_blocks(prefetch=2, max_inflight_gathers=3, passes=passes)
     assert lookaheads(graphs["forward"]) == [1, 1, 1, 1]

@@ -16,7 +16,8 @@ from fxshard.simulate.calibration import (
     _without_collectives, _zeros_for_placeholders, fit_bandwidth, fit_collective_overhead, fit_flops,
     fit_op_overhead, fit_overlap, fit_ring, fit_step, fit_step_overhead, serialized, without_flop_ops,
 )
-from fxshard.simulate.simulator import GLOO_ON_CPU, collective_seconds, compute_nodes, compute_seconds, machine_of
+from fxshard.passes.cost_model import GLOO_ON_CPU, collective_seconds, compute_seconds
+from fxshard.simulate.simulator import compute_nodes, machine_of
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ from fxshard.runtime.param import prepared_param, spec_of
 from fxshard.runtime.prepare import grad_sync_of, shard_parameters, sharded_world_size, tensor_parallel_of
 from fxshard.runtime.step_clock import FORWARD, StepClock
 from fxshard.simulate import autotune
-from fxshard.simulate.simulator import Machine, machine_of, simulate
+from fxshard.passes.cost_model import Machine
+from fxshard.simulate.simulator import machine_of, simulate
 from fxshard.torch_compat import (
     aot_module_simplified,
     make_boxed_func,
@@ -288,6 +289,7 @@ class Backend:
             group_twins=self._group_twins(),
             secondary_group_name=self._secondary[0],
             secondary_rank=self._secondary[1],
+            machine=machine_of(self),
             **self.knobs,
         )
         context = dataclasses.replace(context, blocks=self._block_names())
@@ -364,17 +366,18 @@ class Backend:
         return specs
 
     def _run(self, context: PassContext, graph_id: int, kind: str, gm: fx.GraphModule,
-             machine: Machine | None = None) -> tuple[fx.GraphModule, GraphRecord]:
-        """The pass pipeline over ``gm``, under the knobs ``fxshard.simulate.autotune`` chooses on ``machine`` where the
-        user left a choice (a lowered graph's grouping, prefetch under ``memory_budget``); and the graph's record."""
+             tune: bool = False) -> tuple[fx.GraphModule, GraphRecord]:
+        """The pass pipeline over ``gm``, with ``tune`` under the knobs ``fxshard.simulate.autotune`` chooses on
+        ``context.machine`` where the user left a choice (a lowered graph's grouping, prefetch under
+        ``memory_budget``); and the graph's record."""
         context = dataclasses.replace(context, graph=kind)
         if kind == "backward" and context.quantize_weights == "auto":  # the weights forward computed with
             context = dataclasses.replace(context, quantize_weights=self._chosen_weights.get(graph_id))
         record = GraphRecord(kind, graph_id)
         choice = None
-        if machine is not None:
+        if tune:
             with record.timing(AUTOTUNE):
-                context, choice = autotune.choose(gm, context, self.passes, machine)
+                context, choice = autotune.choose(gm, context, self.passes)
         if kind in ("forward", "inference"):
             self._chosen_weights[graph_id] = context.quantize_weights
         self.graphs.append(record)
@@ -391,8 +394,7 @@ class Backend:
         return partition(joint, joint_inputs, **kwargs)
 
     def _compile_graph(self, context, graph_id, inductor: InductorCompiler | None, kind, gm: fx.GraphModule, example_inputs):
-        machine = machine_of(self)
-        gm, record = self._run(context, graph_id, kind, gm, machine)
+        gm, record = self._run(context, graph_id, kind, gm, tune=True)
         compiled = inductor.compile(kind, gm, example_inputs) if inductor else make_boxed_func(gm.forward)
         # Before the graph first runs, every rank must have compiled the same collectives (fxshard.compiler.consistency).
         with record.timing(CONSISTENCY):

@@ -33,7 +33,7 @@ from fxshard.budget.step_ledger import graph_ledger
 from fxshard.passes import PassContext
 from fxshard.passes.trial import Pass, trial_run
 
-from .simulator import Machine, simulate_graph
+from .simulator import simulate_graph
 
 CHOSEN_GRAPHS = ("forward", "backward", "inference")
 LOSSY_CHOICES = (None, "int8")  # unpacked first: on a tie the exact one
@@ -66,9 +66,9 @@ def describe_knobs(ctx: PassContext) -> str:
     return f"bucket={bucket}, prefetch={ctx.prefetch}, max_inflight_gathers={ctx.max_inflight_gathers}{packed}"
 
 
-def choose(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass],
-           machine: Machine) -> tuple[PassContext, dict | None]:
-    """The context to compile ``gm`` under, and the record of the choice (None where there was none):
+def choose(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> tuple[PassContext, dict | None]:
+    """The context to compile ``gm`` under, each candidate predicted on ``ctx.machine`` (the figures its gathers are
+    placed by), and the record of the choice (None where there was none):
     ``{"machine", "memory_budget", "candidates": [{"knobs", "predicted_s", "bytes", "fits"}], "chosen": index}``."""
     options = candidates(ctx)
     if len(options) == 1:
@@ -79,14 +79,14 @@ def choose(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass],
         ledger = trial.meta.get("fxshard_ledger") or graph_ledger(trial, ctx.graph, ctx.world_size,
                                                                    ctx.optimizer_bytes)  # budget_pass's, if run
         needed = ledger["total"]
-        seconds = simulate_graph(trial, ctx.graph, ctx.world_size, machine)[0]
+        seconds = simulate_graph(trial, ctx.graph, ctx.world_size, ctx.machine)[0]
         tried.append({"knobs": describe_knobs(option), "predicted_s": seconds, "bytes": needed,
                       "fits": ctx.memory_budget is None or needed <= ctx.memory_budget})
     indices = range(len(tried))
     fitting = [i for i in indices if tried[i]["fits"]]
     chosen = min(fitting, key=lambda i: (tried[i]["predicted_s"], i)) if fitting else \
         min(indices, key=lambda i: (tried[i]["bytes"], i))
-    return options[chosen], {"machine": machine, "memory_budget": ctx.memory_budget, "candidates": tried,
+    return options[chosen], {"machine": ctx.machine, "memory_budget": ctx.memory_budget, "candidates": tried,
                              "chosen": chosen}
 
 

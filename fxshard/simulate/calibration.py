@@ -17,13 +17,13 @@ import torch
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.passes.cost_model import node_flops
+from fxshard.passes.cost_model import Machine, collective_role, compute_seconds, node_flops
 from fxshard.passes.fx_utils import size_hint
 from fxshard.passes.trial import copied_graph
 from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT
 from fxshard.torch_compat import c10d_functional
 
-from .simulator import Machine, collective_role, compute_nodes, compute_seconds, graphs_of, simulate
+from .simulator import compute_nodes, graphs_of, simulate
 
 # -- calibration: fits (pure, testable on synthetic timings) ---------------------------------------------------
 

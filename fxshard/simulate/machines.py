@@ -18,7 +18,7 @@ import pathlib
 
 from fxshard.errors import FxShardError
 
-from .simulator import GLOO_ON_CPU, NCCL_ON_GPU, Machine
+from fxshard.passes.cost_model import GLOO_ON_CPU, NCCL_ON_GPU, Machine
 
 
 @dataclasses.dataclass(frozen=True)

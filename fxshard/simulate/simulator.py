@@ -6,19 +6,11 @@ reaches it (its input is ready then) and the communication stream is free; ``wai
 until its collective is done. So the order the scheduling passes chose (prefetch: gathers issued early, waits late)
 decides how much communication hides behind compute.
 
-Costs:
-- compute node: ``flops / flops_per_s`` for ops torch's flop counter knows (matmuls, attention), else
-  ``bytes written / memory_bandwidth``, plus ``op_overhead`` seconds per node (the Python and dispatcher cost of
-  one node of an eager-compiled graph);
-- ring collective on N ranks with a full buffer of B bytes: all-gather and reduce-scatter take
-  ``collective_overhead + (N-1)·latency + (N-1)/N·B/bandwidth``, all-reduce two such ring passes (one overhead);
-  an all-to-all (fxshard's reduce-scatter on gloo, and every quantized one) sends the same bytes to every peer at
-  once: ``collective_overhead + latency + (N-1)/N·B/all_to_all_bandwidth``; a collective also holds the compute
-  stream for ``1 - overlap`` of its time from when it is issued (the share of moving its bytes that takes the
-  cores compute runs on: ``overlap`` is 1 on GPUs, less for gloo on a CPU host);
-- hybrid mesh (R replica groups of S shard ranks): the all-reduce of each gradient shard across the replicas
-  (meta ``across == "replicate"``; stage 1's in the optimizer step) runs on R ranks and the inter-group network
-  (``replicate_latency``, ``replicate_bandwidth``), every other collective on the ``world`` ranks simulated (S);
+What a node costs is the one estimator's (``fxshard/passes/cost_model.py``, the one the prefetch pass placed the
+gathers by): compute from FLOPs or bytes written, each collective by its kind, bytes, ranks and link. The timeline
+adds:
+- a collective holds the compute stream for ``1 - overlap`` of its time from when it is issued (the share of moving
+  its bytes that takes the cores compute runs on: ``overlap`` is 1 on GPUs, less for gloo on a CPU host);
 - the optimizer's update, after the graphs and the optimizer step's collectives: the bytes it writes (its
   master and state read and written, its gradients read, its buckets copied in and out) / ``memory_bandwidth``;
 - ``step_overhead`` seconds per step on the compute stream, after that: what a step runs outside the graphs (the
@@ -44,82 +36,22 @@ from fxshard.budget import Ledger, R
 from fxshard.budget import ledger as ledger_of
 from fxshard.budget.symbols import N
 from fxshard.errors import FxShardError
-from fxshard.passes.cost_model import node_flops, tensor_bytes
-from fxshard.passes.fx_utils import aliases_its_input, replica_ranks, size_hint
+from fxshard.passes.cost_model import (
+    Machine,
+    collective_role,
+    collective_seconds,
+    compute_seconds,
+    default_machine,
+    full_bytes,
+    replica_ring,
+    ring_of,
+)
+from fxshard.passes.fx_utils import size_hint
 from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_nodes, packing_saves, wire_bytes
 from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT, collective_of
 from fxshard.runtime.groups import scatters_by_all_to_all
 from fxshard.runtime.param import spec_of
 
-
-
-@dataclasses.dataclass(frozen=True)
-class Machine:
-    """What one rank and the network can do. Defaults are round numbers for a CPU host on a fast LAN."""
-
-    flops_per_s: float = 5e10
-    """FLOP/s of an op that torch's flop counter knows (matmuls, attention)."""
-    memory_bandwidth: float = 1e10
-    """Bytes/s written by an op without a flop formula."""
-    bandwidth: float = 1e10
-    """Bytes/s per rank on the ring."""
-    latency: float = 2e-5
-    """Seconds per ring hop of one collective."""
-    collective_overhead: float = 0.0
-    """Seconds per collective at any world size: issuing it, handing it to the backend's thread, waking the rank
-    that waits for it."""
-    op_overhead: float = 0.0
-    """Seconds per compute node of a graph, on top of its work: Python and dispatch of the compiled graph."""
-    step_overhead: float = 0.0
-    """Seconds per step outside the graphs and the optimizer's update: autograd engine, compiled-function
-    wrappers, the optimizer's Python, zero_grad."""
-    replicate_bandwidth: float | None = None
-    """Bytes/s per rank on the ring across the replica groups of a hybrid mesh (often a slower inter-node network);
-    None: ``bandwidth``."""
-    replicate_latency: float | None = None
-    """Seconds per ring hop across the replica groups of a hybrid mesh; None: ``latency``."""
-    node_bandwidth: float | None = None
-    """Bytes/s per rank inside a node: what the re-gathers from secondary shards (``reshard_after_forward=k``) run
-    on, k ranks of one node; None: ``bandwidth``."""
-    node_latency: float | None = None
-    """Seconds per ring hop inside a node; None: ``latency``."""
-    overlap: float = 1.0
-    """Share of a collective's time that can run under compute: 1 where the network moves the bytes on its own
-    (NCCL, an RDMA NIC); less where moving them takes the cores compute runs on (gloo between the processes of one
-    host: the kernel copies every byte through its sockets). The rest holds the compute stream as well."""
-    all_to_all_bandwidth: float | None = None
-    """Bytes/s per rank of an all-to-all: fxshard's reduce-scatter on gloo and every quantized one, each rank
-    sending its rows to every peer at once (gloo on one host moves them faster than an all-gather's); None:
-    ``bandwidth``."""
-    name: str = "custom"
-    """What the figures describe, as reports and ``python -m fxshard simulate`` name the machine."""
-
-    def across_replicas(self) -> Machine:
-        """This machine with the inter-group network as its ring: what a collective across the replicas of a hybrid
-        mesh runs on (the per-collective overhead is the host's, the same on either network)."""
-        return dataclasses.replace(
-            self, bandwidth=self.bandwidth if self.replicate_bandwidth is None else self.replicate_bandwidth,
-            latency=self.latency if self.replicate_latency is None else self.replicate_latency)
-
-    def inside_node(self) -> Machine:
-        """This machine with a node's own link as its ring: what a re-gather from secondary shards runs on."""
-        return dataclasses.replace(
-            self, bandwidth=self.bandwidth if self.node_bandwidth is None else self.node_bandwidth,
-            latency=self.latency if self.node_latency is None else self.node_latency)
-
-
-GLOO_ON_CPU = Machine(flops_per_s=8.75e10, memory_bandwidth=1.0e10, bandwidth=9.75e8, latency=0.0,
-                      collective_overhead=2.1e-3, op_overhead=9.0e-6, overlap=0.48, all_to_all_bandwidth=1.27e9,
-                      name="GLOO_ON_CPU (gloo on one CPU host, calibrated)")
-"""gloo between processes of one host, one CPU thread per rank: what ``calibrate`` measured on 2 ranks with the
-benchmark GPT at stage 3 (the machine, the date and how close its predictions came: docs/simulate.md). What sets it
-apart: a per-collective overhead far above the per-hop latency, an all-to-all faster than an all-gather, less than
-half of a collective's time hidden by compute (the rest takes the cores compute runs on)."""
-
-NCCL_ON_GPU = Machine(flops_per_s=5e13, memory_bandwidth=2e12, bandwidth=5e10, latency=5e-6,
-                      collective_overhead=2e-5, name="NCCL_ON_GPU (one GPU node, stated figures)")
-"""NCCL between GPUs of one node: stated (a ring of ~50 GB/s per rank, ~20 µs to launch a collective), not
-calibrated; ``calibrate`` on your own cluster for figures to trust."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,10 +90,6 @@ def packed_bytes(full_elements: int, element_size: int, role: str, world: int, s
     return world * wire_bytes(row, scheme, block)
 
 
-def default_machine(device_type: str) -> Machine:
-    """The machine the backend predicts on when given none: ``NCCL_ON_GPU`` for graphs on ``cuda``, else
-    ``GLOO_ON_CPU``."""
-    return NCCL_ON_GPU if device_type == "cuda" else GLOO_ON_CPU
 
 
 def machine_of(source) -> Machine:
@@ -204,38 +132,7 @@ class Timeline:
         return 1.0 if self.comm_time == 0 else 1.0 - self.exposed_comm / self.comm_time
 
 
-def compute_seconds(node: fx.Node, machine: Machine) -> float:
-    """``flops / flops_per_s`` where torch's flop counter knows the op, else its bytes written / ``memory_bandwidth``
-    (none for a view or a getitem of a multi-output op's result), plus ``op_overhead``."""
-    flops = node_flops(node)
-    if flops:
-        return flops / machine.flops_per_s + machine.op_overhead
-    written = 0 if aliases_its_input(node) else tensor_bytes(node.meta.get("val"))
-    return written / machine.memory_bandwidth + machine.op_overhead
 
-
-def collective_seconds(kind: str, full_bytes: float, world: int, machine: Machine) -> float:
-    """Alpha-beta time of one collective whose full (unsharded) buffer has ``full_bytes``, plus the machine's
-    per-collective overhead: a ring pass, two for an all-reduce (reduce-scatter, then all-gather), or for an
-    ``all_to_all`` the same bytes at ``all_to_all_bandwidth``, a message to each of the other ranks (one latency
-    each, as a ring pays one per hop)."""
-    if world <= 1:
-        return 0.0
-    if kind == "all_to_all":
-        bandwidth = machine.all_to_all_bandwidth or machine.bandwidth
-        return machine.collective_overhead + (world - 1) * machine.latency + (world - 1) / world * full_bytes / bandwidth
-    one_pass = (world - 1) * machine.latency + (world - 1) / world * full_bytes / machine.bandwidth
-    return machine.collective_overhead + (2 if kind == "all_reduce" else 1) * one_pass
-
-
-def collective_role(node: fx.Node) -> str | None:
-    return node.meta.get("fxshard", {}).get("role")
-
-
-def _ring(replicas: int | None, world: int, machine: Machine) -> tuple[int, Machine]:
-    """(ranks, machine) a collective is timed on: ``replicas`` ranks on the inter-group network when it runs across
-    the replicas of a hybrid mesh, else the ``world`` ranks simulated on the ring's own figures."""
-    return (world, machine) if replicas is None else (replicas, machine.across_replicas())
 
 
 def _unit(node: fx.Node) -> str:
@@ -246,12 +143,6 @@ def _unit(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     path = next(reversed(stack.values()), ("",))[0] if stack else ""
     return path.removeprefix("L['self'].").replace("._modules['", ".").replace("']", "")
-
-
-def _full_bytes(node: fx.Node, kind: str) -> float:
-    if kind == "all_gather":
-        return tensor_bytes(node.meta.get("val"))  # the gathered output
-    return tensor_bytes(node.args[0].meta.get("val"))  # what is reduced (across replicas: the gradient shard)
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -274,12 +165,10 @@ def _priced(node: fx.Node, role: str, name: str, world: int, machine: Machine, w
             ) -> tuple[float, float, float]:
     """(seconds on the communication stream, seconds of packing before it and of unpacking after its wait on the
     compute stream) of a collective, ``what_if``'s options applied."""
-    full = _full_bytes(node, role)
+    full = full_bytes(node, role)
     meta = node.meta.get("fxshard", {})
     kind = collective_of(node.target).kind
-    ranks, ring = _ring(replica_ranks(node), world, machine)
-    if meta.get("across") == "secondary":
-        ranks, ring = meta["ranks"], machine.inside_node()
+    ranks, ring = ring_of(node, world, machine)
     if what_if is None:
         return collective_seconds(kind, full, ranks, ring), 0.0, 0.0
     scheme = what_if.scheme_for(node, role)
@@ -414,8 +303,8 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
         compute += busy_compute
         comm += busy_comm
         events += graph_events
-    for kind, full_bytes, replicas in step_collectives:  # eager, one after another, nothing to hide behind
-        seconds = collective_seconds(kind, full_bytes, *_ring(replicas, world, machine))
+    for kind, full, replicas in step_collectives:  # eager, one after another, nothing to hide behind
+        seconds = collective_seconds(kind, full, *replica_ring(replicas, world, machine))
         events.append(Event("optimizer step", kind, "comm", clock, clock + seconds))
         clock += seconds
         comm += seconds

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 from fxshard.errors import FxShardError
+from fxshard.passes.cost_model import Machine
 
-from .simulator import Machine, WhatIf, simulate
+from .simulator import WhatIf, simulate
 
 WORLDS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 LINKS = (1.25e9, 1.25e10, 5e10)  # bytes/s per rank between nodes: 10, 100 and 400 Gb/s
