@@ -8,6 +8,7 @@ import torch
 from torch import fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from fxshard.runtime.collectives import WAIT
 from fxshard.runtime.sharding import MarkerLayout
 from fxshard.torch_compat import OpOverload, detect_fake_mode, op_arguments, traced_size
 
@@ -33,6 +34,18 @@ def aliases_its_input(node: fx.Node) -> bool:
     """Whether ``node`` writes nothing: a view of its input, or one element of a multi-output op's tuple
     (``operator.getitem``)."""
     return is_view(node) or (node.op == "call_function" and node.target is operator.getitem)
+
+
+def storage_roots(nodes) -> dict[fx.Node, fx.Node]:
+    """For each of ``nodes`` (in graph order), the node whose storage its value lives in: a view, a ``getitem`` of a
+    multi-output op's tuple and a ``wait_tensor`` (the very tensor its collective wrote into) share their source's;
+    every other node is its own. The one aliasing rule the prefetch pass's and the ledger's liveness walks read."""
+    roots: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        shares = aliases_its_input(node) or (node.op == "call_function" and node.target is WAIT)
+        roots[node] = roots.get(source, source) if shares and source is not None else node
+    return roots
 
 
 def replica_ranks(node: fx.Node) -> int | None:

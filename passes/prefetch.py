@@ -54,17 +54,16 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import operator
 
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT
+from fxshard.runtime.collectives import COLLECTIVE_ROLES
 from fxshard.torch_compat import graph_root
 
 from .context import PassContext
 from .cost_model import Machine, compute_seconds, node_collective_seconds, tensor_bytes
-from .fx_utils import is_view, position
+from .fx_utils import is_view, position, storage_roots
 
 SCHEDULED_GRAPHS = ("forward", "backward", "inference")
 # where waits go before the gathers of their node and the memory rule holds gathers back: the training step's
@@ -140,11 +139,7 @@ def _live_bytes(graph: fx.Graph, order: dict[fx.Node, int], skip: set[fx.Node]) 
     reader (views, ``getitem`` and ``wait_tensor`` share their source's storage); a graph input until its last
     reader, as Inductor frees it (a backward graph's saved activations). An estimate from ``meta["val"]``."""
     nodes = list(graph.nodes)
-    root: dict[fx.Node, fx.Node] = {}
-    for node in nodes:
-        source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        aliases = is_view(node) or node.target in (operator.getitem, WAIT)
-        root[node] = root[source] if aliases and source is not None else node
+    root = storage_roots(nodes)
     end = {}
     for node in nodes:
         for used in node.all_input_nodes:

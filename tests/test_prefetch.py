@@ -306,11 +306,20 @@ def test_the_cost_model_goes_only_as_far_ahead_as_hiding_needs(scheduled):
     # the default machine (GLOO_ON_CPU): a gather's 2.1 ms overhead dwarfs these tiny matmuls: 2 units ahead each
     assert lookaheads(scheduled[2]["forward"]) == [2, 2, 2, 2]
     # free communication: one unit ahead already hides it, so no gather goes further (less memory)
-    free = make_prefetch_pass(Machine(latency=0.0, bandwidth=float("inf"), all_to_all_bandwidth=float("inf")))
-    passes = [*fxshard.default_passes()[:-1], free]
+    free = Machine(latency=0.0, bandwidth=float("inf"), all_to_all_bandwidth=float("inf"))
+    passes = [*fxshard.default_passes()[:-1], make_prefetch_pass(free)]
     graphs = compile_four_blocks(prefetch=2, max_inflight_gathers=3, passes=passes)
     assert lookaheads(graphs["forward"]) == [1, 1, 1, 1]
     assert positions(graphs["forward"]) == positions(scheduled[1]["forward"])
+
+
+def test_the_backends_machine_places_the_gathers_it_predicts_with():
+    # one estimator: machine= reaches the prefetch pass (PassContext.machine) as it reaches the simulator
+    free = Machine(latency=0.0, bandwidth=float("inf"), all_to_all_bandwidth=float("inf"), name="free links")
+    graphs = compile_four_blocks(prefetch=2, max_inflight_gathers=3, machine=free)
+    assert lookaheads(graphs["forward"]) == [1, 1, 1, 1]
+    schedule = next(n for n in graphs["forward"].graph.nodes if n.meta.get("fxshard", {}).get("role") == "all_gather")
+    assert schedule.meta["fxshard"]["schedule"]["comm_s"] == 0.0  # what the free links price a gather at
 
 
 def test_prefetch_lowers_the_estimated_exposed_communication(scheduled):

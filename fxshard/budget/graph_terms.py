@@ -14,8 +14,8 @@ import torch
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.passes.fx_utils import aliases_its_input, marker_args, marker_layout, replica_ranks, size_hint
-from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT, collective_of, group_name_of
+from fxshard.passes.fx_utils import marker_args, marker_layout, replica_ranks, size_hint, storage_roots
+from fxshard.runtime.collectives import COLLECTIVE_ROLES, collective_of, group_name_of
 from fxshard.runtime.ops import UNSHARD
 from fxshard.runtime.sharding import row_size
 from fxshard.torch_compat import (
@@ -235,16 +235,6 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes,
     return terms, schedule
 
 
-def _storage_root(node: fx.Node, roots: dict) -> fx.Node:
-    # wait_tensor returns the very tensor its collective wrote into
-    waits = node.op == "call_function" and node.target is WAIT
-    if aliases_its_input(node) or waits:
-        source = node.args[0]
-        if isinstance(source, fx.Node):
-            return roots.get(source, source)
-    return node
-
-
 def live_peak(gm: fx.GraphModule, graph: str, sizes: Sizes, grads: dict[fx.Node, sympy.Expr]) -> list[Term]:
     """The tensors ``gm`` holds at its worst point, walking the nodes in order (a tensor lives from the node that
     makes it to its last use, or past the end if returned; views share their base's storage). Graph inputs that are
@@ -252,9 +242,7 @@ def live_peak(gm: fx.GraphModule, graph: str, sizes: Sizes, grads: dict[fx.Node,
     graph takes are, until their last use. Communication buffers and gradients are written in the parameters'
     counts, the rest as their (possibly symbolic) sizes."""
     nodes = list(gm.graph.nodes)
-    roots: dict[fx.Node, fx.Node] = {}
-    for node in nodes:
-        roots[node] = _storage_root(node, roots)
+    roots = storage_roots(nodes)
     last_use: dict[fx.Node, int] = {}
     for index, node in enumerate(nodes):
         for used in node.all_input_nodes:
