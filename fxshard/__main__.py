@@ -6,6 +6,8 @@
                              [--format json]
     python -m fxshard report script.py [script arguments...] [--format json]
     python -m fxshard simulate script.py [script arguments...] [--trace OUT.json] [--world N] [--options [--node K]]
+    python -m fxshard simulate --config CONFIG.json --world N [--batch B --seq S --ac none|selective|full]
+                             [--machine NAME|FILE] [--param-dtype bf16] [--quantize-weights int8 ...]
 
 ``budget`` prints the memory per rank and the bytes sent per step of a model of ``--params`` elements without
 running it: it compiles a small stand-in (bias-free linear layers whose backward reads every weight, the ZeRO paper's
@@ -30,6 +32,9 @@ parameters over. Under torchrun rank 0 writes it; a script that prepares several
 (OUT-0.json, OUT-1.json, ...). ``--options`` prints the step predicted under each communication option
 (``fxshard.simulate.what_if``: quantized gathers and reductions, secondary shards over nodes of ``--node`` ranks) by
 world size and inter-node link, and the least world where each is predicted to pay.
+``simulate --config`` runs no script: it predicts the step of the model a HuggingFace config describes
+(``fxshard.predict``: built on meta and never materialised, compiled at two depths under a fake group of ``--world``
+ranks on ``--machine``, scaled to the config's depth) and ends with ``tokens/s per rank X  MFU Y%``.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import fxshard
 from . import api, budget
 from .budget.prepare_terms import built_whole_terms
 from .errors import FxShardError
+from .predict import AC_MODES, PARAM_DTYPES, predict_from_config
 from .report.measure import CollectiveCounter
 from .report.tables import ledger_report
 from .runtime.optimizer_record import steps_inside_another
@@ -279,8 +285,44 @@ def _report(args, script_args: list[str]) -> int:
     return 0
 
 
+def _simulate_config(args, rest: list[str]) -> int:
+    """Predict the step of the model a HuggingFace config describes, without running it (``fxshard.predict``)."""
+    if rest:
+        raise FxShardError(f"simulate --config takes no script; got {' '.join(rest)}")
+    if args.world is None:
+        raise FxShardError("simulate --config needs --world N, the ranks to predict for")
+    machine = load_machine(args.machine or "h100-sxm-400g")
+    wire = {k: v for k, v in (("quantize_weights", args.quantize_weights), ("quantize_grads", args.quantize_grads),
+                              ("reshard_after_forward", _reshard(args.reshard_after_forward))) if v is not None}
+    prediction = predict_from_config(args.config, world=args.world, batch=args.batch, seq=args.seq, ac=args.ac,
+                                     machine=machine, param_dtype=PARAM_DTYPES[args.param_dtype], stage=args.stage,
+                                     **wire)
+    print(f"{args.config}: {prediction.model}, {prediction.layers} layers, stage {args.stage}, {args.world} ranks of "
+          f"{machine.name}, {args.batch} x {args.seq} tokens per rank, activation checkpointing {args.ac}")
+    print(f"  step {prediction.step_s * 1e3:.1f} ms (compute {prediction.compute_s * 1e3:.1f} ms, "
+          f"{prediction.exposed_s * 1e3:.1f} ms of communication exposed), "
+          f"{prediction.flops_per_token:.3g} model FLOPs per token")
+    print(prediction.summary())
+    return 0
+
+
+def _reshard(value: str | None) -> bool | int | None:
+    if value is None:
+        return None
+    if value in ("true", "false"):
+        return value == "true"
+    try:
+        return int(value)
+    except ValueError:
+        raise FxShardError(f"--reshard-after-forward takes true, false or a number of ranks; got {value!r}") from None
+
+
 def _simulate(args, script_args: list[str]) -> int:
     """Run the script here and write the simulated step of each backend it prepared as a Chrome trace."""
+    if args.config is not None:
+        return _simulate_config(args, script_args)
+    if args.script is None:
+        raise FxShardError("simulate takes a training script to run, or --config CONFIG.json to predict from")
     _check_world(args.world)  # before the script runs, which may take long
     given = None if args.machine is None else load_machine(args.machine)
     if args.trace is None and not args.options:
@@ -347,7 +389,19 @@ def main(argv: list[str] | None = None) -> int:
                           f"{', '.join(PRESETS)}) or a JSON file of Machine's fields (default: the backend's own)")
     simulate.add_argument("--world", type=int, help="ranks to predict for (default: those the script sharded "
                           "the parameters over)")
-    simulate.add_argument("script")
+    simulate.add_argument("--config", metavar="CONFIG.json", help="predict the model a HuggingFace config "
+                          "describes instead of running a script: built on meta, never materialised (needs --world)")
+    simulate.add_argument("--batch", type=int, default=1, help="--config: sequences per rank (1)")
+    simulate.add_argument("--seq", type=int, default=4096, help="--config: tokens per sequence (4096)")
+    simulate.add_argument("--ac", choices=AC_MODES, default="none", help="--config: activation checkpointing: "
+                          "none, selective (every second layer), full (none)")
+    simulate.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=3, help="--config: ZeRO stage (3)")
+    simulate.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default="bf16",
+                          help="--config: the dtype forward and backward compute in (bf16; fp32: no mixed precision)")
+    simulate.add_argument("--quantize-weights", choices=["bf16", "int8", "fp8"], help="--config: wire option")
+    simulate.add_argument("--quantize-grads", choices=["bf16", "int8"], help="--config: wire option")
+    simulate.add_argument("--reshard-after-forward", metavar="true|false|K", help="--config: stage 3's option")
+    simulate.add_argument("script", nargs="?")
     args, rest = parser.parse_known_args(argv)
     if args.command == "budget" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -350,3 +350,15 @@ def strided_shard(dim: int, split_factor: int):
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=split_factor)
+
+
+def reset_compiled() -> None:
+    """Forget every frame Dynamo compiled (a fresh trace of the next call)."""
+    torch._dynamo.reset()
+
+
+def flash_attention(query, key, value, dropout_p: float, is_causal: bool, scale):
+    """The flash attention kernel's (output, logsumexp) of (batch, heads, seq, dim) inputs: the CPU op, which has a
+    meta kernel and which ``FLOPS_COUNTED_AS`` counts as CUDA's."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
+                                                                      scale=scale)

@@ -72,6 +72,8 @@ class Machine:
     """Bytes/s per rank of an all-to-all: fxshard's reduce-scatter on gloo and every quantized one, each rank
     sending its rows to every peer at once (gloo on one host moves them faster than an all-gather's); None:
     ``bandwidth``."""
+    peak_flops_per_s: float | None = None
+    """The datasheet's peak FLOP/s, which model FLOPs utilisation (MFU) is reckoned against; None: ``flops_per_s``."""
     name: str = "custom"
     """What the figures describe, as reports and ``python -m fxshard simulate`` name the machine."""
 

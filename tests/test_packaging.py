@@ -108,7 +108,7 @@ LAYERS = [
     {"fxshard.simulate"},
     {"fxshard.report"},
     {"fxshard.compiler", "fxshard.checkpoint", "fxshard.testing"},
-    {"fxshard.api"},
+    {"fxshard.api", "fxshard.predict"},
     {"fxshard"},
     {"fxshard.__main__"},
 ]

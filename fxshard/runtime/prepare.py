@@ -357,7 +357,11 @@ def shard_parameters(
         layout_stage(stage, local_tensor(param).shape), param_dtype, reduce_dtype,
         **replicas, tensor_parallel=tensor_parallel.get(id(param))))
     records: dict[int, PreparedParam] = {}  # (kept alive here until the modules that own them take them)
-    if born_on_meta(model):
+    if born_on_meta(model) and device is not None and torch.device(device).type == "meta":
+        # laid out and never materialised: a model to compile and predict, not to run (fxshard.simulate.from_config)
+        for key, (param, spec) in specs.items():
+            records[key] = _lay_out(param, spec, grad_sync)
+    elif born_on_meta(model):
         device = torch.device(device) if device is not None else default_device(group)
         # under tensor parallelism every rank initialises each parameter whole and keeps its tp piece: all alike
         share_random_state([every] if tensor_parallel else synced_over, device)

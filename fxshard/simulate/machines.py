@@ -56,6 +56,7 @@ def gpu_node(gpu: GPU, network_gbits: float, efficiency: Efficiency = Efficiency
     """A node of ``NODE_RANKS`` ``gpu``s over NVLink, each with a ``network_gbits`` Gb/s link to other nodes."""
     return Machine(
         flops_per_s=gpu.bf16_flops_per_s * efficiency.compute,
+        peak_flops_per_s=gpu.bf16_flops_per_s,
         memory_bandwidth=gpu.memory_bytes_per_s * efficiency.memory,
         bandwidth=network_gbits / 8 * 1e9 * efficiency.link,
         latency=NETWORK_LATENCY,

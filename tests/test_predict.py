@@ -1,0 +1,88 @@
+"""Predicting a HuggingFace model's step from its config alone (``fxshard.predict``, ``simulate --config``)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fxshard import predict
+from fxshard.errors import FxShardError
+from fxshard.simulate.machines import load_machine
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 8, "vocab_size": 256, "max_position_embeddings": 128,
+              "tie_word_embeddings": False}
+MACHINE = load_machine("h100-sxm-100g")
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("predict") / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def compiled_once():
+    """Each (depth, world, batch, seq) compiled once for the module: the tests vary what is made of the steps."""
+    steps, compile_step = {}, predict._compiled_step
+
+    def remembered(config, depth, world, batch, seq, machine, options):
+        key = (depth, world, batch, seq)
+        if key not in steps:
+            steps[key] = compile_step(config, depth, world, batch, seq, machine, options)
+        return steps[key]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(predict, "_compiled_step", remembered)
+        yield
+
+
+def test_the_step_scaled_from_two_depths_is_the_step_compiled_at_full_depth(tiny_config, monkeypatch):
+    scaled = predict.predict_from_config(tiny_config, world=16, batch=2, seq=64, machine=MACHINE)
+    monkeypatch.setattr(predict, "COMPILED_DEPTHS", (TINY_LLAMA["num_hidden_layers"],))
+    whole = predict.predict_from_config(tiny_config, world=16, batch=2, seq=64, machine=MACHINE)
+    assert scaled.step_s == pytest.approx(whole.step_s, rel=0.01)
+    assert scaled.compute_s == pytest.approx(whole.compute_s, rel=0.01)
+    assert scaled.exposed_s == pytest.approx(whole.exposed_s, rel=0.05, abs=1e-6)
+
+
+def test_model_flops_are_torchtitans_count_of_the_full_depth_model(tiny_config):
+    prediction = predict.predict_from_config(tiny_config, world=16, batch=2, seq=64, machine=MACHINE)
+    config = predict.load_config(tiny_config)
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    dense = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    assert prediction.flops_per_token == 6 * dense + 12 * 8 * 64 * 64
+    assert prediction.mfu == pytest.approx(prediction.tokens_per_s * prediction.flops_per_token / 989e12)
+    assert prediction.tokens_per_s == 2 * 64 / prediction.step_s
+
+
+def test_activation_checkpointing_adds_the_recomputed_forward(tiny_config):
+    runs = {ac: predict.predict_from_config(tiny_config, world=16, batch=2, seq=64, machine=MACHINE, ac=ac)
+            for ac in predict.AC_MODES}
+    full = runs["full"].step_s - runs["none"].step_s
+    assert full > 0 and runs["selective"].step_s - runs["none"].step_s == pytest.approx(full / 2)
+
+
+def test_a_config_without_a_model_type_or_an_unknown_ac_is_refused(tmp_path, tiny_config):
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(FxShardError, match="model_type"):
+        predict.predict_from_config(bare, world=8, batch=1, seq=64, machine=MACHINE)
+    with pytest.raises(FxShardError, match="ac must be one of none, selective, full"):
+        predict.predict_from_config(tiny_config, world=8, batch=1, seq=64, machine=MACHINE, ac="op")
+
+
+def test_simulate_config_ends_with_tokens_per_second_and_mfu(tiny_config):
+    result = subprocess.run([sys.executable, "-m", "fxshard", "simulate", "--config", str(tiny_config), "--world",
+                             "64", "--seq", "64", "--ac", "selective", "--machine", "a100-sxm-200g"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert "llama, 8 layers, stage 3, 64 ranks of A100 80GB SXM" in lines[0], result.stdout
+    assert re.fullmatch(r"tokens/s per rank \d+  MFU \d+\.\d%", lines[-1]), result.stdout
