@@ -21,8 +21,8 @@ traced: a layer's forward compute (from the compiled forward graphs' per-layer d
 stream once per checkpointed layer. (Traced on meta tensors, a checkpointed region's attention, a seeded op, would
 need torch's RNG functionalization, which has no meta implementation.)
 
-MFU is torchtitan's: model FLOPs per token ``6 * (parameters - input embedding) + 12 * layers * hidden * seq``
-(recomputation not counted) times tokens per second, over the machine's datasheet peak (``Machine.peak_flops_per_s``).
+MFU is torchtitan's: model FLOPs per token ``6 * parameters + 12 * layers * hidden * seq`` (recomputation not
+counted) times tokens per second, over the machine's datasheet peak (``Machine.peak_flops_per_s``).
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def _compiled_step(config, depth: int, world: int, batch: int, seq: int, machine
 
 
 def _model_flops(config, seq: int, layers: int) -> float:
-    """Model FLOPs per token, torchtitan's ``6 N + 12 l h s``, N the parameters but the input embedding's (counted
-    on a meta model of one layer and of two: each layer adds the same)."""
+    """Model FLOPs per token, torchtitan's ``6 N + 12 l h s`` with N every parameter (as its published MFUs count
+    them), counted on meta models of one layer and of two (each layer adds the same)."""
     import transformers
 
     counts = []
@@ -156,11 +156,9 @@ def _model_flops(config, seq: int, layers: int) -> float:
         cut = copy.deepcopy(config)
         cut.num_hidden_layers = depth
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(cut)
-        embedding = model.get_input_embeddings().weight.numel()
-        counts.append(sum(p.numel() for p in model.parameters()) - embedding)
-    dense = counts[0] + (layers - 1) * (counts[1] - counts[0])
-    return 6 * dense + 12 * layers * config.hidden_size * seq
+            counts.append(sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cut).parameters()))
+    parameters = counts[0] + (layers - 1) * (counts[1] - counts[0])
+    return 6 * parameters + 12 * layers * config.hidden_size * seq
 
 
 def _register_flash_attention() -> None:
