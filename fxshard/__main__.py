@@ -3,7 +3,7 @@
     python -m fxshard budget --params 7.5e9 (--world 64 | --mesh 8x8 | --mesh 4x8x8) [--tp T --tp-params E]
                              --stage 0,1,2,3 [--optimizer adamw]
                              [--param-bytes 2 --grad-bytes 2 --master-bytes 4 --state-bytes 4] [--unit-params U]
-                             [--format json]
+                             [--quantize-weights int8 --quantize-grads int8 --reshard-after-forward K] [--format json]
     python -m fxshard report script.py [script arguments...] [--format json]
     python -m fxshard simulate script.py [script arguments...] [--trace OUT.json] [--world N] [--options [--node K]]
     python -m fxshard simulate --config CONFIG.json --world N [--batch B --seq S --ac none|selective|full]
@@ -55,6 +55,7 @@ from tabulate import tabulate
 import fxshard
 
 from . import api, budget
+from .budget.communication_options import sent_form
 from .budget.prepare_terms import built_whole_terms
 from .errors import FxShardError
 from .predict import AC_MODES, PARAM_DTYPES, predict_from_config
@@ -70,10 +71,10 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
               "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}
 
 
-@functools.cache  # its terms are symbolic in Ψ, N and R: one compile per stage serves every size asked in a process
-def _stand_in_ledger(stage: int, optimizer: str, hybrid: bool = False) -> budget.Ledger:
+@functools.cache  # its terms are symbolic in Ψ, N, R and K: one compile per stage serves every size asked in a process
+def _stand_in_ledger(stage: int, optimizer: str, hybrid: bool = False, reshard: bool | int = True) -> budget.Ledger:
     """The ledger of a 3-layer bias-free linear chain, compiled for ``stage`` on a fake world of 2 ranks (``hybrid``:
-    of 4, a 2x2 mesh)."""
+    of 4, a 2x2 mesh; stage 3 with ``reshard`` a number of ranks, secondary shards: of 4, re-gathering over 2)."""
     import torch.nn.functional as F
 
     class StandIn(torch.nn.Module):
@@ -86,7 +87,8 @@ def _stand_in_ledger(stage: int, optimizer: str, hybrid: bool = False) -> budget
                 x = torch.tanh(layer(x))
             return x
 
-    with fake_process_group(4 if hybrid else 2):
+    secondary = stage == 3 and not isinstance(reshard, bool)
+    with fake_process_group(4 if hybrid or secondary else 2):
         torch.compiler.reset()
         with torch.device("meta"):  # prepare materialises it: the ledger has the prepare peak of a born-sharded model
             model = StandIn()
@@ -97,7 +99,8 @@ def _stand_in_ledger(stage: int, optimizer: str, hybrid: bool = False) -> budget
 
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         # the ledger reads the rewritten graphs: run them op by op, not through Inductor's C++ compile (seconds each)
-        backend = fxshard.backend(stage=stage, mesh=mesh, compiler="eager")
+        knobs = {"reshard_after_forward": 2 if secondary else reshard} if stage == 3 else {}
+        backend = fxshard.backend(stage=stage, mesh=mesh, compiler="eager", **knobs)
         model, _ = backend.prepare(model, OPTIMIZERS[optimizer](model.parameters(), lr=1e-3, **kwargs))
         run = torch.compile(model, backend=backend, fullgraph=True)
         F.mse_loss(run(torch.randn(2, 8, requires_grad=True)), torch.zeros(2, 8)).backward()
@@ -109,24 +112,28 @@ def _bytes(value: float) -> str:
 
 
 def budget_rows(params: float, world: int, stages: list[int], optimizer: str, widths: dict,
-                replicas: int = 1, unit_params: float | None = None) -> list[dict]:
+                replicas: int = 1, unit_params: float | None = None, quantize_weights: str | None = None,
+                quantize_grads: str | None = None, reshard: bool | int = True) -> list[dict]:
     """Per stage: each memory item, the total and the bytes sent per step (``sent_shard``: within the groups a
     parameter is sharded over, ``sent_replicas``: across replicas), at ``params`` elements on ``world`` ranks
     (``replicas`` > 1: a hybrid mesh of ``replicas`` groups of ``world / replicas``). With a master wider than
     the parameters (mixed precision) the compute copy is counted apart from it. The prepare peak of the model
     built on the meta device (``prepare_meta``, evaluated where ``unit_params``, the largest unit's elements, is
-    given) and built whole (``prepare_whole``)."""
+    given) and built whole (``prepare_whole``). ``quantize_weights`` / ``quantize_grads``: the bytes sent with
+    stage 3's gathers / stages 2 and 3's reductions packed (``communication_options.sent_form``); ``reshard``:
+    stage 3's ``reshard_after_forward`` (a number k of ranks: backward re-gathers over K = k)."""
     rows = []
     for stage in stages:
         hybrid = replicas > 1 and stage > 0  # stage 0 on a mesh all-reduces over every rank
-        ledger = _stand_in_ledger(stage, optimizer, hybrid)
+        ledger = _stand_in_ledger(stage, optimizer, hybrid, reshard)
         mixed = widths[budget.B_MASTER] != widths[budget.B_PARAM]
         terms = ledger.select("memory") + (ledger.mixed_precision_copies if mixed else [])
         items = {}
         for term in terms:
             group = "optimizer state" if term.item not in ("compute copy", "master", "gradients") else term.item
             items[group] = items.get(group, 0) + term.bytes
-        values = {budget.PSI: params, budget.N: world // replicas if hybrid else world, budget.R: replicas, **widths}
+        values = {budget.PSI: params, budget.N: world // replicas if hybrid else world, budget.R: replicas,
+                  budget.K: reshard if not isinstance(reshard, bool) else 1, **widths}
         row = {"stage": stage}
         for item in ("compute copy", "master", "gradients", "optimizer state"):
             form = ledger.closed_form(items.get(item, sympy.Integer(0)))
@@ -134,7 +141,7 @@ def budget_rows(params: float, world: int, stages: list[int], optimizer: str, wi
         total = ledger.closed_form(sympy.Add(*items.values()))
         row.update(total=float(total.subs(values)), total_form=str(sympy.factor(total.subs(widths))))
         for name, ranks in (("sent", None), ("sent_shard", budget.N), ("sent_replicas", budget.R)):
-            sent = ledger.closed_form(ledger.communicated(moved=True, ranks=ranks))
+            sent = ledger.closed_form(sent_form(ledger, quantize_weights, quantize_grads, ranks=ranks))
             row.update({name: float(sent.subs(values)), f"{name}_form": str(sympy.factor(sent.subs(widths)))})
         whole = built_whole_terms(ledger.select("memory"), list(ledger.params.values()))
         for name, form in (("prepare_meta", ledger.prepare_peak()),
@@ -170,7 +177,13 @@ def _budget(args) -> int:
     if args.unit_params is not None and not 0 < args.unit_params <= args.params:
         raise FxShardError("--unit-params is the largest unit's elements (one transformer block, say): more than 0 "
                            "and at most --params")
-    rows = budget_rows(per_tp_rank, world, stages, args.optimizer, widths, replicas, args.unit_params)
+    reshard = _reshard(args.reshard_after_forward)
+    reshard = True if reshard is None else reshard
+    if not isinstance(reshard, bool) and (reshard < 2 or (world // replicas) % reshard or replicas > 1):
+        raise FxShardError(f"--reshard-after-forward {reshard}: a number of ranks k, 1 < k, dividing the world "
+                           f"({world // replicas}), on a flat world (not --mesh)")
+    rows = budget_rows(per_tp_rank, world, stages, args.optimizer, widths, replicas, args.unit_params,
+                       args.quantize_weights, args.quantize_grads, reshard)
     if args.format == "json":
         print(json.dumps({"params": args.params, "world": world, "replicas": replicas, "tp": tp,
                           "params_per_tp_rank": per_tp_rank, "optimizer": args.optimizer,
@@ -374,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--state-bytes", type=int, default=4, help="bytes per optimizer state element (4)")
     plan.add_argument("--unit-params", type=float, help="elements of the largest unit prepare materialises at once "
                       "from the meta device (one transformer block, or the embedding where larger), e.g. 8.6e8")
+    plan.add_argument("--quantize-weights", choices=["bf16", "int8", "fp8"], help="stage 3's gathers packed so "
+                      "(the bytes sent; memory unchanged)")
+    plan.add_argument("--quantize-grads", choices=["bf16", "int8"], help="stages 2 and 3's reductions packed so")
+    plan.add_argument("--reshard-after-forward", metavar="true|false|K", help="stage 3: free gathered weights "
+                      "after forward (true, the default), keep them (false), or keep secondary shards over K ranks")
     plan.add_argument("--format", choices=["text", "json"], default="text")
     report = commands.add_parser("report", help="run a training script and print each backend's ledger")
     report.add_argument("--format", choices=["text", "json"], default="text")

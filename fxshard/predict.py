@@ -43,8 +43,10 @@ from fxshard.torch_compat import flash_attention, reset_compiled
 
 AC_MODES = ("none", "selective", "full")
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}  # --param-dtype: None computes in fp32
-COMPILED_DEPTHS = (2, 4)  # even, so that "selective" (every second layer) repeats within each
-ATTENTION = "fxshard_fused"  # (a name with "flash" in it sends transformers to its flash-attn packages)  # the HuggingFace attention implementation registered below
+COMPILED_DEPTHS = (2, 4)  # decoder layers compiled; the step scales linearly from them (docs/simulate.md)
+# the HuggingFace attention implementation registered below (a name with "flash" in it sends transformers looking
+# for its flash-attn packages)
+ATTENTION = "fxshard_fused"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +108,8 @@ def predict_from_config(path, *, world: int, batch: int, seq: int, machine: Mach
     config = load_config(path)
     layers = config.num_hidden_layers
     options = {"stage": stage, "param_dtype": param_dtype, **knobs}
-    steps = {depth: _compiled_step(config, depth, world, batch, seq, machine, options)
-             for depth in COMPILED_DEPTHS if depth <= layers}
+    depths = COMPILED_DEPTHS if layers > max(COMPILED_DEPTHS) else (layers,)  # a shallow model: compiled whole
+    steps = {depth: _compiled_step(config, depth, world, batch, seq, machine, options) for depth in depths}
     if layers in steps:
         step, compute, exposed, forward = steps[layers]
         per_layer_forward = forward / layers

@@ -23,6 +23,29 @@ def test_budget_reproduces_the_zero_paper_table(capsys):
     assert [r["sent"] / (2 * 7.5e9 * 63 / 64) for r in rows] == pytest.approx([2, 2, 2, 3])
 
 
+@pytest.mark.parametrize("options, per_psi_ring", [
+    ([], [2, 2, 3]),  # bytes per element in units of b_param (N - 1)/N: the ZeRO paper's 2Ψ, 2Ψ, 3Ψ
+    # a byte and a block's scale per element; stage 2's step gathers unpacked, stage 1's communication all runs there
+    (["--quantize-grads", "int8"], [2, 1 + (1 + 4 / 256) / 2, 2 + (1 + 4 / 256) / 2]),
+    (["--quantize-weights", "int8", "--quantize-grads", "int8"], [2, 1 + (1 + 4 / 256) / 2, 3 * (1 + 4 / 256) / 2]),
+    (["--reshard-after-forward", "false"], [2, 2, 2]),  # backward reads the weights forward gathered
+])
+def test_budget_prices_the_wire_options_and_reshard_after_forward(capsys, options, per_psi_ring):
+    assert main(["budget", "--params", "7.5e9", "--world", "64", "--stage", "1,2,3", "--format", "json",
+                 *options]) == 0
+    rows = json.loads(capsys.readouterr().out)["stages"]
+    assert [r["sent"] / (2 * 7.5e9 * 63 / 64) for r in rows] == pytest.approx(per_psi_ring)
+
+
+def test_budget_prices_reshard_after_forward_over_k_ranks(capsys):
+    # hpZ: forward gathers over N, backward re-gathers over the K ranks of a node, reductions over N
+    assert main(["budget", "--params", "7.5e9", "--world", "64", "--stage", "3", "--reshard-after-forward", "8",
+                 "--format", "json"]) == 0
+    row = json.loads(capsys.readouterr().out)["stages"][0]
+    assert row["sent"] == pytest.approx(2 * 7.5e9 * (2 * 63 / 64 + 7 / 8))
+    assert main(["budget", "--params", "7.5e9", "--world", "64", "--stage", "3", "--reshard-after-forward", "6"]) == 2
+
+
 def test_budget_text_labels_decimal_and_binary_units(capsys):
     assert main(["budget", "--params", "1e9", "--world", "8", "--stage", "3"]) == 0
     out = capsys.readouterr().out

@@ -5,7 +5,10 @@ collective already packed, or of another group (replicas, tp, secondary shards),
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
+import sympy
 
 from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_saves, wire_bytes
 
@@ -33,18 +36,41 @@ def _packed(ledger: Ledger, term: Term, scheme: str, block: int) -> float:
     return sent * rows * wire_bytes(row, scheme, block) / (elements * width)
 
 
+def _scheme(term: Term, weights: str | None, grads: str | None) -> str | None:
+    """The scheme ``term`` would travel packed as: ``weights`` for a packable gather, ``grads`` for a reduction."""
+    if weights and _packable(term, "all_gather", Q_PARAM):
+        return weights
+    if grads and _packable(term, "reduce_scatter", Q_GRAD):
+        return grads
+    return None
+
+
 def sent_with(ledger: Ledger, weights: str | None, grads: str | None, block: int = DEFAULT_QUANTIZE_BLOCK) -> float:
     """Bytes per rank and step a ring sends if the step's gathers were packed as ``weights`` and its reductions as
     ``grads`` (None: as they ran)."""
     total = 0.0
     for term in ledger.select("comm"):
-        if weights and _packable(term, "all_gather", Q_PARAM):
-            total += _packed(ledger, term, weights, block)
-        elif grads and _packable(term, "reduce_scatter", Q_GRAD):
-            total += _packed(ledger, term, grads, block)
-        else:
-            total += ledger.at(term.moved)
+        scheme = _scheme(term, weights, grads)
+        total += ledger.at(term.moved) if scheme is None else _packed(ledger, term, scheme, block)
     return total
+
+
+def sent_form(ledger: Ledger, weights: str | None, grads: str | None, block: int = DEFAULT_QUANTIZE_BLOCK,
+              ranks: sympy.Expr | None = None) -> sympy.Expr:
+    """``sent_with`` as an expression in the ledger's symbols (Ψ, N, the widths), over one group (``ranks``) or all:
+    for a model whose rows span many blocks, where a row's padding to whole blocks is nothing beside it, each
+    packable term travels at its scheme's bytes per element (bf16: 2; int8, fp8: 1 + 4 / ``block`` for the scales),
+    or at its own width where that is less."""
+    total = []
+    for term in ledger.select("comm"):
+        if ranks is not None and term.ranks != ranks:
+            continue
+        scheme = _scheme(term, weights, grads)
+        if scheme is not None:
+            term = dataclasses.replace(term, width=sympy.Min(term.width, sympy.Rational(wire_bytes(block, scheme,
+                                                                                                    block), block)))
+        total.append(term.moved)
+    return sympy.Add(*total)
 
 
 OPTIONS = {  # name -> (quantize_weights, quantize_grads)

@@ -358,7 +358,7 @@ def shard_parameters(
         **replicas, tensor_parallel=tensor_parallel.get(id(param))))
     records: dict[int, PreparedParam] = {}  # (kept alive here until the modules that own them take them)
     if born_on_meta(model) and device is not None and torch.device(device).type == "meta":
-        # laid out and never materialised: a model to compile and predict, not to run (fxshard.simulate.from_config)
+        # laid out and never materialised: a model to compile and predict, not to run (fxshard.predict)
         for key, (param, spec) in specs.items():
             records[key] = _lay_out(param, spec, grad_sync)
     elif born_on_meta(model):
