@@ -64,7 +64,7 @@ from .report.tables import ledger_report
 from .runtime.optimizer_record import steps_inside_another
 from .simulate.machines import PRESETS, load_machine
 from .simulate.simulator import machine_of
-from .simulate.what_if import options_table
+from .simulate.what_if import options_table, swept_links
 from .testing import fake_process_group
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
@@ -337,7 +337,9 @@ def _simulate(args, script_args: list[str]) -> int:
     if args.script is None:
         raise FxShardError("simulate takes a training script to run, or --config CONFIG.json to predict from")
     _check_world(args.world)  # before the script runs, which may take long
-    given = None if args.machine is None else load_machine(args.machine)
+    given = [] if args.machine is None else [load_machine(name) for name in args.machine.split(",")]
+    if len(given) > 1 and (args.trace is not None or not args.options):
+        raise FxShardError("several machines (--machine A,B) are compared by --options alone; --trace predicts on one")
     if args.trace is None and not args.options:
         raise FxShardError("simulate needs --trace OUT.json (the simulated step for Perfetto), --options (where each "
                            "communication option pays), or both")
@@ -348,11 +350,12 @@ def _simulate(args, script_args: list[str]) -> int:
         if not backend.graphs:
             raise FxShardError(f"{args.script}'s backend (stage {backend.stage}) compiled no graph: run a step "
                                "through torch.compile(model, backend=backend) first")
-        machine = given or machine_of(backend)
+        machine = given[0] if given else machine_of(backend)
         if args.options:
+            swept = given or swept_links(machine)
             print(f"{args.script}: stage {backend.stage}, the step's graphs under each communication option "
-                  f"(machine: {machine.name})")
-            print(options_table(backend, machine, node=args.node))
+                  f"(machine: {', '.join(m.name for m in given) if given else machine.name + ', its link swept'})")
+            print(options_table(backend, swept, node=args.node))
         if args.trace is None:
             continue
         trace = pathlib.Path(args.trace)
@@ -404,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                           "size and inter-node link (docs/communication.md)")
     simulate.add_argument("--node", type=int, default=8, help="ranks per node for --options (8)")
     simulate.add_argument("--machine", metavar="NAME|FILE", help="predict on this machine: a preset ("
-                          f"{', '.join(PRESETS)}) or a JSON file of Machine's fields (default: the backend's own)")
+                          f"{', '.join(PRESETS)}) or a JSON file of Machine's fields (default: the backend's own); "
+                          "--options compares several, comma separated, every figure theirs (default: the backend's "
+                          "machine at 10, 100 and 400 Gb/s between nodes)")
     simulate.add_argument("--world", type=int, help="ranks to predict for (default: those the script sharded "
                           "the parameters over)")
     simulate.add_argument("--config", metavar="CONFIG.json", help="predict the model a HuggingFace config "

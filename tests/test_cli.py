@@ -209,6 +209,22 @@ def test_simulate_predicts_on_the_machine_given_by_preset_or_json_file(machine, 
     assert written["otherData"]["world"] == 8
 
 
+def test_simulate_options_compares_the_machines_named(tmp_path, capsys, monkeypatch):
+    from fxshard.simulate.machines import PRESETS
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    script = tmp_path / "train.py"
+    script.write_text(SIMULATED_SCRIPT)
+    assert main(["simulate", str(script), "3", "--options", "--node", "2", "--machine",
+                 "a100-sxm-100g,h100-sxm-400g"]) == 0
+    out = capsys.readouterr().out
+    for name in ("a100-sxm-100g", "h100-sxm-400g"):
+        assert f"{PRESETS[name].name}: predicted step (ms)" in out, out
+    assert main(["simulate", str(script), "3", "--trace", str(tmp_path / "t.json"), "--machine",
+                 "a100-sxm-100g,h100-sxm-400g"]) == 2
+    assert "--trace predicts on one" in capsys.readouterr().err
+
+
 def test_a_machine_that_is_neither_a_preset_nor_a_file_of_its_fields_is_refused(tmp_path):
     from fxshard.simulate.machines import load_machine
 

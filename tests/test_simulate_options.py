@@ -10,7 +10,7 @@ from fxshard.budget import ledger
 from fxshard.budget.communication_options import option_rows
 from fxshard.simulate import Machine, simulate
 from fxshard.simulate.simulator import WhatIf
-from fxshard.simulate.what_if import compare_options, options_table
+from fxshard.simulate.what_if import compare_options, options_table, swept_links, with_link
 
 # bytes only: no latency, no per-collective or per-node cost, so a collective's time is its bytes / bandwidth
 BYTES_ONLY = Machine(flops_per_s=1e30, memory_bandwidth=1e30, bandwidth=1e3, latency=0.0)
@@ -62,14 +62,26 @@ def test_packing_costs_the_compute_stream_what_the_lowerings_nodes_cost(compiled
 
 def test_options_pay_on_a_slow_link_and_the_table_says_from_where(compiled):
     machine = Machine(flops_per_s=1e9, memory_bandwidth=1e10, bandwidth=1e9, latency=1e-6)
-    rows = {r.option: r for r in compare_options(compiled["plain"], machine, link=1e6, node=2, node_link=1e12,
-                                                 worlds=(2, 4, 8))}
+    slow = with_link(machine, 1e6, node_link=1e12)
+    rows = {r.option: r for r in compare_options(compiled["plain"], slow, node=2, worlds=(2, 4, 8))}
     assert rows['quantize_weights="int8", quantize_grads="int8"'].pays_from == 2
     assert rows["reshard_after_forward=2"].pays_from == 4  # the first world of more than one node
     assert set(rows["reshard_after_forward=2"].step_s) == {4, 8}
-    text = options_table(compiled["plain"], machine, links=(1e6,), node=2, node_link=1e12, worlds=(2, 4, 8))
-    assert "pays from" in text and "N=4" in text
+    text = options_table(compiled["plain"], swept_links(machine, (1e6,), node_link=1e12), node=2, worlds=(2, 4, 8))
+    assert "pays from" in text and "N=4" in text and "custom at 0.008 Gb/s" in text
     assert max(map(len, text.splitlines())) <= 120
+
+
+def test_options_compare_whole_machines_every_figure_theirs(compiled):
+    # the same link, but one machine pays 1 ms per collective and per hop: every step of it is slower, each named
+    quick = Machine(flops_per_s=1e9, memory_bandwidth=1e10, bandwidth=1e9, latency=1e-6, name="quick")
+    costly = dataclasses.replace(quick, latency=1e-3, collective_overhead=1e-3, name="costly")
+    rows = {m.name: compare_options(compiled["plain"], m, node=2, worlds=(2, 4)) for m in (quick, costly)}
+    for fast, slow in zip(rows["quick"], rows["costly"]):
+        assert all(slow.step_s[w] > fast.step_s[w] + 1e-3 for w in fast.step_s)
+    text = options_table(compiled["plain"], [quick, costly], node=2, worlds=(2, 4))
+    assert "quick: predicted step (ms)\n  between nodes 1 GB/s per rank, 1 us a hop, 0 us a collective" in text
+    assert "costly: predicted step (ms)\n  between nodes 1 GB/s per rank, 1000 us a hop, 1000 us a collective" in text
 
 
 def test_an_all_to_all_keeps_its_speed_against_the_ring_on_every_swept_link(compiled):
@@ -81,7 +93,7 @@ def test_an_all_to_all_keeps_its_speed_against_the_ring_on_every_swept_link(comp
                          all_to_all_bandwidth=2 * link)
         swept = Machine(flops_per_s=1e30, memory_bandwidth=1e30, bandwidth=1e3, latency=0.0,
                         all_to_all_bandwidth=2e3)
-        rows = compare_options(compiled["int8"], swept, link=link, node=2, node_link=link, worlds=(2,))
+        rows = compare_options(compiled["int8"], with_link(swept, link, node_link=link), node=2, worlds=(2,))
         expected = simulate(compiled["int8"], 2, machine=dataclasses.replace(scaled, node_bandwidth=link))
         assert rows[0].step_s[2] == pytest.approx(expected.step_time)
 
