@@ -11,6 +11,8 @@ from snapshots import on_snapshot_torch
 from fxshard.simulate.autotune import describe_choices
 from fxshard.report import collectives
 from fxshard.simulate import GLOO_ON_CPU, Machine
+from fxshard.runtime.collectives import COLLECTIVE_ROLES
+from fxshard.simulate.simulator import as_chosen_at, simulate_graph
 
 
 def _graphs(backend) -> dict:
@@ -35,8 +37,14 @@ def _without_figures(choices: str) -> str:
     return re.sub(r"[\d.,]+ (ms|bytes)", r"_ \1", choices)
 
 
-def test_the_default_grouping_of_a_model_with_repeated_blocks_is_chosen_by_the_simulator():
-    backend = scenarios.compiled_model("gpt", 3)
+@pytest.fixture(scope="module")
+def default_backend():
+    """The GPT at stage 3 with the default knobs: per block or per layer, chosen by the simulator."""
+    return scenarios.compiled_model("gpt", 3)
+
+
+def test_the_default_grouping_of_a_model_with_repeated_blocks_is_chosen_by_the_simulator(default_backend):
+    backend = default_backend
     choices = describe_choices(backend.graphs)
     if on_snapshot_torch():
         assert choices == DEFAULT_GROUPING_CHOICES
@@ -49,6 +57,20 @@ def test_the_default_grouping_of_a_model_with_repeated_blocks_is_chosen_by_the_s
         assert gathered_units == {"blocks.0", "blocks.1", "root"}, kind  # the per-block candidate compiled
         assert gm.meta["fxshard_ledger"]["total"] == choice["candidates"][choice["chosen"]]["bytes"]
     assert describe_choices(backend.graphs) in backend.report()
+
+
+def test_a_prediction_at_another_world_and_machine_chooses_the_grouping_again(default_backend):
+    # bytes-bound links at 512 ranks: per-layer collectives overlap backward better than per-block ones, so the
+    # backend would compile per layer there; the prediction takes that candidate's graph, not the one compiled
+    backward = _graphs(default_backend)["backward"]
+    auto, layer = (c["graph"] for c in backward.meta["fxshard_choice"]["candidates"])
+    slow_links = Machine(bandwidth=1e7, latency=0.0)
+    assert as_chosen_at(backward, "backward", 2, GLOO_ON_CPU) is auto  # as compiled
+    assert as_chosen_at(backward, "backward", 512, slow_links) is layer
+    assert simulate_graph(layer, "backward", 512, slow_links)[0] < simulate_graph(auto, "backward", 512, slow_links)[0]
+    step = fxshard.simulate(default_backend, 512, machine=slow_links)
+    assert {e.node for e in step.events if e.stream == "comm" and e.graph.endswith("backward")} == {
+        n.name for n in layer.graph.nodes if n.meta.get("fxshard", {}).get("role") in COLLECTIVE_ROLES}
 
 
 def test_memory_budget_picks_the_fastest_predicted_schedule_that_fits(unbounded):

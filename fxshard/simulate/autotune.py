@@ -33,7 +33,7 @@ from fxshard.budget.step_ledger import graph_ledger
 from fxshard.passes import PassContext
 from fxshard.passes.trial import Pass, trial_run
 
-from .simulator import simulate_graph
+from .simulator import chosen_candidate, simulate_graph
 
 CHOSEN_GRAPHS = ("forward", "backward", "inference")
 LOSSY_CHOICES = (None, "int8")  # unpacked first: on a tie the exact one
@@ -69,7 +69,9 @@ def describe_knobs(ctx: PassContext) -> str:
 def choose(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> tuple[PassContext, dict | None]:
     """The context to compile ``gm`` under, each candidate predicted on ``ctx.machine`` (the figures its gathers are
     placed by), and the record of the choice (None where there was none):
-    ``{"machine", "memory_budget", "candidates": [{"knobs", "predicted_s", "bytes", "fits"}], "chosen": index}``."""
+    ``{"machine", "memory_budget", "candidates": [{"knobs", "predicted_s", "bytes", "fits", "graph"}], "chosen":
+    index}``; each candidate keeps its rewritten graph, so a prediction at another world size chooses again
+    (``simulator.as_chosen_at``)."""
     options = candidates(ctx)
     if len(options) == 1:
         return options[0], None
@@ -81,11 +83,8 @@ def choose(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> tupl
         needed = ledger["total"]
         seconds = simulate_graph(trial, ctx.graph, ctx.world_size, ctx.machine)[0]
         tried.append({"knobs": describe_knobs(option), "predicted_s": seconds, "bytes": needed,
-                      "fits": ctx.memory_budget is None or needed <= ctx.memory_budget})
-    indices = range(len(tried))
-    fitting = [i for i in indices if tried[i]["fits"]]
-    chosen = min(fitting, key=lambda i: (tried[i]["predicted_s"], i)) if fitting else \
-        min(indices, key=lambda i: (tried[i]["bytes"], i))
+                      "fits": ctx.memory_budget is None or needed <= ctx.memory_budget, "graph": trial})
+    chosen = chosen_candidate(tried, [c["predicted_s"] for c in tried])
     return options[chosen], {"machine": ctx.machine, "memory_budget": ctx.memory_budget, "candidates": tried,
                              "chosen": chosen}
 

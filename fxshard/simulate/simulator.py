@@ -224,6 +224,29 @@ def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, 
     return max(compute_at, comm_at), busy_compute, busy_comm, events
 
 
+def chosen_candidate(candidates: list[dict], seconds: list[float]) -> int:
+    """The candidate autotune compiles: of those that fit the memory budget, the one predicted fastest (``seconds``,
+    the first on a tie), else the one that needs the fewest bytes."""
+    indices = range(len(candidates))
+    fitting = [i for i in indices if candidates[i]["fits"]]
+    if fitting:
+        return min(fitting, key=lambda i: (seconds[i], i))
+    return min(indices, key=lambda i: (candidates[i]["bytes"], i))
+
+
+def as_chosen_at(gm: fx.GraphModule, name: str, world: int, machine: Machine,
+                 what_if: WhatIf | None = None) -> fx.GraphModule:
+    """The graph the backend would have compiled for ``world`` ranks on ``machine``: where autotune chose among
+    candidates (``gm.meta["fxshard_choice"]``), the one ``chosen_candidate`` picks by their predictions there (whether
+    each fits the memory budget stays as judged at the compiled world); else ``gm`` itself."""
+    choice = gm.meta.get("fxshard_choice")
+    if choice is None:
+        return gm
+    candidates = choice["candidates"]
+    seconds = [simulate_graph(c["graph"], name, world, machine, what_if=what_if)[0] for c in candidates]
+    return candidates[chosen_candidate(candidates, seconds)]["graph"]
+
+
 def _scatters_by_all_to_all(model) -> bool:
     """Whether the optimizer step reduce-scatters ``model``'s gradients as an all-to-all and a local sum (its
     parameters' group is gloo's: ``fxshard.runtime.groups.scatters_by_all_to_all``)."""
@@ -285,7 +308,9 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
     then the optimizer step's collectives, then ``machine.step_overhead``. On a hybrid mesh ``world`` is the shard
     group's size; the all-reduces across the replicas run over the mesh's replicas, on
     ``machine.replicate_bandwidth`` and ``replicate_latency`` (where None, the ring's, overrides included).
-    ``what_if``: communication options priced on graphs compiled without them (:class:`WhatIf`)."""
+    ``what_if``: communication options priced on graphs compiled without them (:class:`WhatIf`). Where the backend
+    chose a graph's knobs (``bucket="auto"``, prefetch under a memory budget), the choice is made again for
+    ``world`` ranks on ``machine`` (:func:`as_chosen_at`)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise FxShardError(f"world must be a positive number of ranks, got {world!r}")
     machine = machine or machine_of(source)
@@ -299,6 +324,7 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
     clock = compute = comm = 0.0
     events: list[Event] = []
     for name, gm in graphs:
+        gm = as_chosen_at(gm, name, world, machine, what_if)
         clock, busy_compute, busy_comm, graph_events = simulate_graph(gm, name, world, machine, clock, what_if)
         compute += busy_compute
         comm += busy_comm
