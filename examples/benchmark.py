@@ -2,7 +2,13 @@
 
     python examples/benchmark.py [--steps 40] [--warmup 3] [--configs ddp,fsdp2,fxshard-3-prefetch,...]
                                  [--world-size 2] [--compiler eager|inductor] [--skip-exposed]
-                                 [--out benchmark-results.txt] [--trace DIR]
+                                 [--out benchmark-results.txt] [--trace DIR] [--layers N --d-model D]
+
+Compile time against depth (the first step: Dynamo, AOT, fxshard's passes, Inductor), side by side with DDP +
+torch.compile, in the warm-up column:
+
+    python examples/benchmark.py --layers 24 --d-model 64 --warmup 1 --steps 3 --skip-exposed \
+        --configs ddp+compile,fxshard-0-prefetch,fxshard-3-prefetch
 
 Every configuration trains the same GPT (examples/models.py, ~3.7M parameters) from the same initial weights on the
 same batches, on ``--world-size`` gloo ranks of this machine with one thread per rank. Each configuration runs in a
@@ -88,6 +94,7 @@ class Config:
 
 CONFIGS = [
     Config("ddp", "ddp"),
+    Config("ddp+compile", "ddp", compiled=True),
     Config("fsdp2", "fsdp2"),
     Config("fsdp2+compile", "fsdp2", compiled=True),
     *(
@@ -276,16 +283,23 @@ class LocalReduceScatter(ReduceScatter):
 
 
 # -- the configurations --------------------------------------------------------------------------------------------
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The benchmark GPT, with ``--layers`` blocks and ``--d-model`` width where given."""
+    return dataclasses.replace(MODEL, n_layer=args.layers or MODEL.n_layer, d_model=args.d_model or MODEL.d_model)
+
+
 def build(config: Config, args: argparse.Namespace, no_comm: bool):
     """(model, optimizer, the callable a step runs, fxshard's backend or None) for ``config``, from the same initial
     weights on every rank."""
     torch.manual_seed(0)
-    model = GPT(MODEL)
+    model = GPT(model_config(args))
+    compiler = "aot_eager" if args.compiler == "eager" else "inductor"
     if config.kind == "ddp":
         model = DistributedDataParallel(model)
         if no_comm:
             model.register_comm_hook(None, noop_hook)  # torch's own "no all-reduce" hook
-        return model, torch.optim.AdamW(model.parameters(), lr=LR), model, None
+        run = torch.compile(model, backend=compiler) if config.compiled else model
+        return model, torch.optim.AdamW(model.parameters(), lr=LR), run, None
     if config.kind == "fsdp2":
         for block in model.blocks:
             fully_shard(block)
@@ -296,8 +310,7 @@ def build(config: Config, args: argparse.Namespace, no_comm: bool):
                     module.set_custom_all_gather(LocalAllGather())
                     module.set_custom_reduce_scatter(LocalReduceScatter())
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        backend = "aot_eager" if args.compiler == "eager" else "inductor"
-        return model, optimizer, torch.compile(model, backend=backend) if config.compiled else model, None
+        return model, optimizer, torch.compile(model, backend=compiler) if config.compiled else model, None
     if no_comm:
         use_local_functional_collectives()
     if config.on_users_gloo_group:  # this process runs this configuration alone
@@ -312,7 +325,7 @@ def worker(rank: int, world: int, port: int, name: str, no_comm: bool, args, out
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     config = BY_NAME[name]
     model, optimizer, run, backend = build(config, args, no_comm)
-    data = batches(MODEL, args.batch_size, rank, world, torch.Generator().manual_seed(1))
+    data = batches(model_config(args), args.batch_size, rank, world, torch.Generator().manual_seed(1))
 
     def train_step(inputs, targets):
         loss = run(inputs, targets)
@@ -473,6 +486,9 @@ def main() -> int:
     parser.add_argument("--configs", default=",".join(BY_NAME),
                         help=f"comma-separated subset of {', '.join(BY_NAME)} (default: all)")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--layers", type=int, help=f"transformer blocks (default {MODEL.n_layer}): the first step's "
+                        "compile time against depth is the warm-up column with --warmup 1")
+    parser.add_argument("--d-model", type=int, help=f"width (default {MODEL.d_model})")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
     parser.add_argument("--compiler", choices=fxshard.api.COMPILERS, default=fxshard.api.DEFAULT_COMPILER,
                         help="fxshard's compiler (default: fxshard's, inductor); FSDP2+compile uses aot_eager with "
@@ -491,9 +507,9 @@ def main() -> int:
         parser.error("--warmup and --steps must be at least 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
 
-    n_params = sum(p.numel() for p in GPT(MODEL).parameters())  # the tied embedding / LM head counted once
+    n_params = sum(p.numel() for p in GPT(model_config(args)).parameters())  # the tied embedding / LM head counted once
     header = (
-        f"fxshard benchmark, {datetime.datetime.now():%Y-%m-%d %H:%M}: GPT {dataclasses.asdict(MODEL)}, "
+        f"fxshard benchmark, {datetime.datetime.now():%Y-%m-%d %H:%M}: GPT {dataclasses.asdict(model_config(args))}, "
         f"{n_params:,} parameters, AdamW lr {LR}, {args.batch_size} x {MODEL.block_size} tokens per rank per step; "
         f"{args.world_size} gloo ranks x 1 thread on {os.cpu_count()} CPUs ({platform.machine()}); torch "
         f"{torch.__version__}; fxshard compiler {args.compiler} (FSDP2+compile: "

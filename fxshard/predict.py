@@ -43,7 +43,8 @@ from fxshard.torch_compat import flash_attention, reset_compiled
 
 AC_MODES = ("none", "selective", "full")
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}  # --param-dtype: None computes in fp32
-COMPILED_DEPTHS = (2, 4)  # decoder layers compiled; the step scales linearly from them (docs/simulate.md)
+COMPILED_DEPTHS = (2, 4)  # decoder layers compiled (not 1: a lone layer is no repeated block, and bucket="auto"
+# groups another way); the step scales linearly from them (docs/simulate.md)
 # the HuggingFace attention implementation registered below (a name with "flash" in it sends transformers looking
 # for its flash-attn packages)
 ATTENTION = "fxshard_fused"
