@@ -20,7 +20,7 @@ from test_simulate import trace_event_format_errors
 def test_every_fxshard_stage_has_a_prefetch_and_a_no_prefetch_row():
     fxshard_rows = {(c.stage, c.options.get("prefetch")) for c in CONFIGS if c.kind == "fxshard"}
     assert fxshard_rows == {(stage, prefetch) for stage in range(4) for prefetch in (None, 0)}
-    assert [c.name for c in CONFIGS[:3]] == ["ddp", "fsdp2", "fsdp2+compile"]
+    assert [c.name for c in CONFIGS[:4]] == ["ddp", "ddp+compile", "fsdp2", "fsdp2+compile"]
 
 
 def test_peak_of_running_sum():
