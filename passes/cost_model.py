@@ -94,8 +94,8 @@ class Machine:
 GLOO_ON_CPU = Machine(flops_per_s=8.75e10, memory_bandwidth=1.0e10, bandwidth=9.75e8, latency=0.0,
                       collective_overhead=2.1e-3, op_overhead=9.0e-6, overlap=0.48, all_to_all_bandwidth=1.27e9,
                       name="GLOO_ON_CPU (gloo on one CPU host, calibrated)")
-"""gloo between processes of one host, one CPU thread per rank: what ``fxshard.simulate.calibrate`` measured on 2 ranks with the
-benchmark GPT at stage 3 (the machine, the date and how close its predictions came: docs/simulate.md). What sets it
+"""gloo between processes of one host, one CPU thread per rank: what ``fxshard.simulate.calibrate`` measured on 2
+ranks with the benchmark GPT at stage 3 (the machine, the date and how close its predictions came: docs/simulate.md). What sets it
 apart: a per-collective overhead far above the per-hop latency, an all-to-all faster than an all-gather, less than
 half of a collective's time hidden by compute (the rest takes the cores compute runs on)."""
 
@@ -150,8 +150,8 @@ def compute_seconds(node: fx.Node, machine: Machine) -> float:
     return written / machine.memory_bandwidth + machine.op_overhead
 
 
-def collective_seconds(kind: str, full_bytes: float, world: int, machine: Machine) -> float:
-    """Alpha-beta time of one collective whose full (unsharded) buffer has ``full_bytes``, plus the machine's
+def collective_seconds(kind: str, buffer_bytes: float, world: int, machine: Machine) -> float:
+    """Alpha-beta time of one collective whose full (unsharded) buffer has ``buffer_bytes``, plus the machine's
     per-collective overhead: a ring pass, two for an all-reduce (reduce-scatter, then all-gather), or for an
     ``all_to_all`` the same bytes at ``all_to_all_bandwidth``, a message to each of the other ranks (one latency
     each, as a ring pays one per hop)."""
@@ -159,8 +159,9 @@ def collective_seconds(kind: str, full_bytes: float, world: int, machine: Machin
         return 0.0
     if kind == "all_to_all":
         bandwidth = machine.all_to_all_bandwidth or machine.bandwidth
-        return machine.collective_overhead + (world - 1) * machine.latency + (world - 1) / world * full_bytes / bandwidth
-    one_pass = (world - 1) * machine.latency + (world - 1) / world * full_bytes / machine.bandwidth
+        sent = (world - 1) / world * buffer_bytes
+        return machine.collective_overhead + (world - 1) * machine.latency + sent / bandwidth
+    one_pass = (world - 1) * machine.latency + (world - 1) / world * buffer_bytes / machine.bandwidth
     return machine.collective_overhead + (2 if kind == "all_reduce" else 1) * one_pass
 
 
@@ -197,16 +198,6 @@ def node_collective_seconds(node: fx.Node, world: int, machine: Machine) -> floa
     collective = collective_of(node.target)
     return collective_seconds(role if collective is None else collective.kind, full_bytes(node, role),
                               *ring_of(node, world, machine))
-
-
-def node_seconds(node: fx.Node, world: int, machine: Machine) -> float:
-    """Time of any node: a collective's on the communication stream, a wait's nothing, else its compute."""
-    role = collective_role(node)
-    if role in COLLECTIVE_ROLES:
-        return node_collective_seconds(node, world, machine)
-    if node.op != "call_function" or node.target is WAIT:
-        return 0.0
-    return compute_seconds(node, machine)
 
 
 def exposed_communication(gm: fx.GraphModule, world_size: int, machine: Machine = GLOO_ON_CPU) -> dict:

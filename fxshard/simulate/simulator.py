@@ -147,8 +147,8 @@ def _unit(node: fx.Node) -> str:
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The nodes the compute stream runs and charges ``op_overhead`` for: every call but collectives and waits."""
-    return [node for node in gm.graph.nodes if node.op == "call_function" and collective_role(node) not in COLLECTIVE_ROLES
-            and node.target is not WAIT]
+    return [node for node in gm.graph.nodes
+            if node.op == "call_function" and collective_role(node) not in COLLECTIVE_ROLES and node.target is not WAIT]
 
 
 @functools.lru_cache(maxsize=4096)
