@@ -536,11 +536,6 @@ def _updated_with_specs(optimizer: torch.optim.Optimizer) -> list[list[tuple[tor
     return [[(p, spec_of(p)) for p in group["params"]] for group in updating_optimizer(optimizer).param_groups]
 
 
-def _is_per_element(value, updated: torch.Tensor) -> bool:
-    """Optimizer state laid out like the tensor it belongs to (``exp_avg``), not a scalar (``step``)."""
-    return torch.is_tensor(value) and value.dim() > 0 and value.shape == updated.shape
-
-
 @torch.no_grad()
 def full_state_dict(optimizer: torch.optim.Optimizer) -> dict:
     """The prepared optimizer's state as if it ran on one process over the full parameters (a collective: every
@@ -556,7 +551,7 @@ def full_state_dict(optimizer: torch.optim.Optimizer) -> dict:
                 continue
             state[spec.name] = {  # stages 1-3 update flat shards, stage 0 full parameters
                 kind: global_of(gather_full(value, spec) if spec.stage >= 1 else value.clone(), spec)
-                if _is_per_element(value, updated)
+                if optimizer_state_dict.is_per_element(value, updated)
                 else (value.clone() if torch.is_tensor(value) else value)
                 for kind, value in updating.state[updated].items()
             }

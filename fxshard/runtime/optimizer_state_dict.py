@@ -27,7 +27,7 @@ def updated_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in updating_optimizer(optimizer).param_groups for p in group["params"]]
 
 
-def _is_per_element(value, updated: torch.Tensor) -> bool:
+def is_per_element(value, updated: torch.Tensor) -> bool:
     """Optimizer state laid out like the tensor it belongs to (``exp_avg``), not a scalar (``step``)."""
     return torch.is_tensor(value) and value.dim() > 0 and value.shape == updated.shape
 
@@ -77,7 +77,7 @@ def optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict:
         spec = spec_of(param)
         state[key] = {
             kind: (sharded_value(value, spec) if spec.stage >= 1 else unsharded_value(value, spec))
-            if _is_per_element(value, param) else value
+            if is_per_element(value, param) else value
             for kind, value in kinds.items()
         }
     if getattr(optimizer, _MADE_FOR_STATE_DICT, False):

@@ -357,12 +357,9 @@ def shard_parameters(
         layout_stage(stage, local_tensor(param).shape), param_dtype, reduce_dtype,
         **replicas, tensor_parallel=tensor_parallel.get(id(param))))
     records: dict[int, PreparedParam] = {}  # (kept alive here until the modules that own them take them)
-    if born_on_meta(model) and device is not None and torch.device(device).type == "meta":
-        # laid out and never materialised: a model to compile and predict, not to run (fxshard.predict)
-        for key, (param, spec) in specs.items():
-            records[key] = _lay_out(param, spec, grad_sync)
-    elif born_on_meta(model):
-        device = torch.device(device) if device is not None else default_device(group)
+    born = born_on_meta(model)
+    device = torch.device(device) if device is not None else default_device(group) if born else None
+    if born and device.type != "meta":
         # under tensor parallelism every rank initialises each parameter whole and keeps its tp piece: all alike
         share_random_state([every] if tensor_parallel else synced_over, device)
         # Every shard allocated before any module is materialised: a full parameter freed below a shard allocated
@@ -379,14 +376,16 @@ def shard_parameters(
             register_replaced(meta, records[id(meta)].leaf)
 
         model.__dict__[_UNITS] = materialise_unit_by_unit(model, param_init_fn, keep, device, init_units)
-    else:
-        if param_init_fn is not None or device is not None:
-            raise FxShardError(
-                "param_init_fn= and device= materialise a model built on the meta device; this model's parameters "
-                'are real already. Build it under `with torch.device("meta"):` to have prepare initialise it '
-                "shard by shard, or drop these arguments"
-            )
-        _broadcast_from_first_rank(model, synced_over)
+    else:  # parameters laid out as they are: real ones, or meta ones never materialised (a model only compiled and
+        # predicted, fxshard.predict: device="meta")
+        if not born:
+            if param_init_fn is not None or device is not None:
+                raise FxShardError(
+                    "param_init_fn= and device= materialise a model built on the meta device; this model's "
+                    'parameters are real already. Build it under `with torch.device("meta"):` to have prepare '
+                    "initialise it shard by shard, or drop these arguments"
+                )
+            _broadcast_from_first_rank(model, synced_over)
         for key, (param, spec) in specs.items():
             records[key] = _lay_out(local_parameter(param), spec, grad_sync)
     leaves = {key: record.leaf for key, record in records.items()}
