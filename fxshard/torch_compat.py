@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch._dynamo.exc import ShortenTraceback
 from torch._dynamo.source import ConstantSource, LocalSource, TensorProperty, TensorPropertySource
 from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
-from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._logging._internal import register_log, trace_log, trace_structured
@@ -38,12 +38,12 @@ from torch.fx.experimental import symbolic_shapes
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
-    "after_grad_scaler_inf_check", "aot_module_simplified", "c10d_functional", "child_modules", "concatenate_meshes",
-    "ConstantSource", "dcp_flat_keys", "default_store", "detect_fake_mode", "fake_store",
+    "after_grad_scaler_inf_check", "aot_module_simplified", "boxed_freeing_inputs", "c10d_functional",
+    "child_modules", "concatenate_meshes", "ConstantSource", "dcp_flat_keys", "default_store", "detect_fake_mode", "fake_store",
     "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS", "gloo_threads", "gloo_with_options", "graph_root",
     "inductor_backward", "inductor_compiler_config", "inductor_decompositions", "inductor_forward",
     "inductor_partition", "inductor_virtualized", "intercept_conversions", "is_backend_registered",
-    "is_persistent_buffer", "LocalSource", "make_boxed_func", "min_cut_rematerialization_partition", "model_outputs",
+    "is_persistent_buffer", "LocalSource", "min_cut_rematerialization_partition", "model_outputs",
     "name_parameter_source", "op_arguments", "op_name", "OpOverload", "own_buffers", "own_parameters",
     "profiled_item_size", "profiled_ops", "ProfiledOp", "raised_inside_torch", "register_log", "resolve_group",
     "SavedForBackwardsAOTOutput", "ShortenTraceback", "strided_shard", "tensor_version", "TensorProperty",
@@ -362,3 +362,20 @@ def flash_attention(query, key, value, dropout_p: float, is_causal: bool, scale)
     meta kernel and which ``FLOPS_COUNTED_AS`` counts as CUDA's."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
                                                                       scale=scale)
+
+
+def boxed_freeing_inputs(gm: torch.fx.GraphModule):
+    """``gm`` as a boxed compiled graph (the list AOTAutograd hands it is emptied on entry) whose code drops each
+    input after its last reader, as Inductor's compiled graphs do: a backward's saved activations then die where the
+    ledger and the prefetch pass say (``passes.fx_utils.storage_lifetimes``), not when the backward returns. ``gm``
+    itself keeps its own calling convention (its code is what reports print)."""
+    graph = torch.fx.Graph()
+    graph.set_codegen(torch.fx.graph._BoxedCodeGen())  # private, on 2.11 to 2.15
+    graph.output(graph.graph_copy(gm.graph, {}))
+    boxed = torch.fx.GraphModule(gm, graph)
+
+    def run(args: list):
+        return boxed(args)
+
+    run._boxed_call = True
+    return run

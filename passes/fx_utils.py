@@ -39,13 +39,34 @@ def aliases_its_input(node: fx.Node) -> bool:
 def storage_roots(nodes) -> dict[fx.Node, fx.Node]:
     """For each of ``nodes`` (in graph order), the node whose storage its value lives in: a view, a ``getitem`` of a
     multi-output op's tuple and a ``wait_tensor`` (the very tensor its collective wrote into) share their source's;
-    every other node is its own. The one aliasing rule the prefetch pass's and the ledger's liveness walks read."""
+    every other node is its own."""
     roots: dict[fx.Node, fx.Node] = {}
     for node in nodes:
         source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         shares = aliases_its_input(node) or (node.op == "call_function" and node.target is WAIT)
         roots[node] = roots.get(source, source) if shares and source is not None else node
     return roots
+
+
+def storage_lifetimes(nodes) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, tuple[int, int]]]:
+    """The storage each of ``nodes`` (in graph order) lives in (``storage_roots``), and per storage the positions
+    in ``nodes`` where it is made and where it is last read, both inclusive: a node's inputs and its output are alive
+    at its position. A graph input dies at its last reader too: Inductor's graphs and the eager compiler's
+    (``torch_compat.boxed_freeing_inputs``) take their inputs boxed and drop each after its last use, and torch's
+    compiled backward hands them its saved tensors that way (``ctx.maybe_clear_saved_tensors()``, then the graph
+    with ``steal_args``), so a saved activation does not outlive its last reader unless ``retain_graph`` keeps it. A
+    returned tensor lives to the output node; one nobody reads, at its own position only. The one liveness rule the
+    prefetch pass's memory curve and the ledger's peak read."""
+    nodes = list(nodes)
+    roots = storage_roots(nodes)
+    lifetimes: dict[fx.Node, tuple[int, int]] = {}
+    for position, node in enumerate(nodes):
+        root = roots[node]
+        born = lifetimes[root][0] if root in lifetimes else position
+        lifetimes[root] = (born, position)
+        for used in node.all_input_nodes:
+            lifetimes[roots[used]] = (lifetimes[roots[used]][0], position)
+    return roots, lifetimes
 
 
 def replica_ranks(node: fx.Node) -> int | None:

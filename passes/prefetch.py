@@ -63,7 +63,7 @@ from fxshard.torch_compat import graph_root
 
 from .context import PassContext
 from .cost_model import Machine, compute_seconds, node_collective_seconds, tensor_bytes
-from .fx_utils import is_view, position, storage_roots
+from .fx_utils import is_view, position, storage_lifetimes
 
 SCHEDULED_GRAPHS = ("forward", "backward", "inference")
 # where waits go before the gathers of their node and the memory rule holds gathers back: the training step's
@@ -133,23 +133,17 @@ def _collectives(graph: fx.Graph, order: dict[fx.Node, int]) -> list[_Collective
     return found
 
 
-def _live_bytes(graph: fx.Graph, order: dict[fx.Node, int], skip: set[fx.Node]) -> list[int]:
-    """Per position of the graph (in its order before this pass): the bytes of the tensors alive there, of every
-    node but ``skip`` (the gathers' nodes, counted apart). A tensor lives from the node that makes it to its last
-    reader (views, ``getitem`` and ``wait_tensor`` share their source's storage); a graph input until its last
-    reader, as Inductor frees it (a backward graph's saved activations). An estimate from ``meta["val"]``."""
-    nodes = list(graph.nodes)
-    root = storage_roots(nodes)
-    end = {}
-    for node in nodes:
-        for used in node.all_input_nodes:
-            end[root[used]] = order[node]
-    delta = [0] * (len(nodes) + 1)
-    for node in nodes:
-        if root[node] is node and node not in skip and node.op != "output":
-            nbytes = tensor_bytes(node.meta.get("val"))
-            delta[order[node]] += nbytes
-            delta[max(end.get(node, order[node]), order[node]) + 1] -= nbytes
+def _live_bytes(graph: fx.Graph, skip: set[fx.Node]) -> list[int]:
+    """Per position of the graph (in its order before this pass): the bytes of the tensors alive there
+    (``storage_lifetimes``), of every node but ``skip`` (the gathers' nodes, counted apart). An estimate from
+    ``meta["val"]``."""
+    roots, lifetimes = storage_lifetimes(graph.nodes)
+    delta = [0] * (len(roots) + 1)
+    for root, (born, last) in lifetimes.items():
+        if root not in skip and root.op != "output":
+            nbytes = tensor_bytes(root.meta.get("val"))
+            delta[born] += nbytes
+            delta[last + 1] -= nbytes
     live, total = [], 0
     for step in delta[:-1]:
         total += step
@@ -287,7 +281,7 @@ def _keys(gm: fx.GraphModule, ctx: PassContext, machine: Machine) -> tuple[dict,
         copied_in = [a for a in gather.node.all_input_nodes if a in gather.issue]
         gather.nbytes = (tensor_bytes(gather.node.meta.get("val")), sum(tensor_bytes(a.meta.get("val"))
                                                                         for a in copied_in))
-    curve = _live_bytes(graph, order, {n for g in gathers for n in (*g.issue, *g.completion)})
+    curve = _live_bytes(graph, {n for g in gathers for n in (*g.issue, *g.completion)})
     slots, waits_before = _gather_slots(gathers, ctx, work_before, comm_s, in_flight, curve)
     for reduction, slot in waits_before.items():
         limit[reduction] = min(limit.get(reduction, (slot, 0, 0, 0)), (slot, 0, 0, 0))

@@ -27,10 +27,10 @@ def unbounded():
 
 DEFAULT_GROUPING_CHOICES = """\
 knobs chosen by the simulator (the fastest predicted graph):
-  graph 0 forward: bucket="auto", prefetch=1, max_inflight_gathers=2: 8.15 ms, 468,224 bytes  <- chosen
-  graph 0 forward: bucket="layer", prefetch=1, max_inflight_gathers=2: 34.66 ms, 415,488 bytes
-  graph 0 backward: bucket="auto", prefetch=1, max_inflight_gathers=2: 14.29 ms, 656,200 bytes  <- chosen
-  graph 0 backward: bucket="layer", prefetch=1, max_inflight_gathers=2: 61.71 ms, 589,832 bytes"""
+  graph 0 forward: bucket="auto", prefetch=1, max_inflight_gathers=2: 8.15 ms, 468,352 bytes  <- chosen
+  graph 0 forward: bucket="layer", prefetch=1, max_inflight_gathers=2: 34.66 ms, 423,808 bytes
+  graph 0 backward: bucket="auto", prefetch=1, max_inflight_gathers=2: 14.29 ms, 555,392 bytes  <- chosen
+  graph 0 backward: bucket="layer", prefetch=1, max_inflight_gathers=2: 61.71 ms, 514,304 bytes"""
 
 
 def _without_figures(choices: str) -> str:

@@ -171,7 +171,7 @@ def test_ledger_counts_a_compiled_optimizer_steps_gathers_per_unit(pools):
     assert all(r[stage]["ledger"]["collectives"]["all_gather"][1] == 2 for r in results for stage in (1, 2))
 
 
-PEAK_TOLERANCE = 0.4  # measured on this Chain at world 2, least of 5 steps: +0% (stage 0) .. +27% (stage 3)
+PEAK_TOLERANCE = 0.3  # measured on this Chain at world 2, least of 5 steps: +4% (stage 0) .. +23% (stage 2)
 
 
 def test_peak_within_tolerance(measured_world2):

@@ -1,8 +1,15 @@
 """Stage 3 keeps only shards resident: no full weight is stored, saved for backward, or alive between steps."""
 
+import weakref
+
 import pytest
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import scenarios
+from fxshard.passes.fx_utils import storage_lifetimes
+from fxshard.torch_compat import boxed_freeing_inputs
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +41,44 @@ def test_reshard_after_forward_false_keeps_gathered_weights_for_backward(pools):
     for result in pools(2).run(scenarios.memory_of_training, reshard_after_forward=False):
         assert "blocks.0.fc.weight" in result["saved_full_weights"]
         assert result["alive_full_weights"] == []  # ... but only from forward to backward
+
+
+def _saved_then_more_work(saved, incoming):
+    scaled = saved * 2
+    flat = scaled.view(-1)  # shares scaled's storage: keeps it alive to its own last reader
+    summed = flat.sum() + incoming
+    return summed * 3, flat
+
+
+def test_a_tensor_lives_from_its_maker_to_its_last_reader_and_a_returned_one_to_the_output():
+    graph = make_fx(_saved_then_more_work)(torch.ones(2, 2), torch.ones(())).graph  # aten ops: views known
+    nodes = list(graph.nodes)
+    at = {node.name: position for position, node in enumerate(nodes)}
+    roots, lifetimes = storage_lifetimes(nodes)
+    assert lifetimes[nodes[at["saved_1"]]] == (at["saved_1"], at["mul"])  # an input dies at its last reader
+    assert roots[nodes[at["view"]]] is nodes[at["mul"]]
+    assert lifetimes[nodes[at["mul"]]] == (at["mul"], at["output"])  # returned through its view
+    assert lifetimes[nodes[at["sum_1"]]] == (at["sum_1"], at["add"])
+
+
+_probed: dict = {}
+
+
+@fx.wrap
+def _first_input_alive(value):
+    _probed["alive"] = _probed["first"]() is not None
+    return value
+
+
+def _reads_its_first_input_once(first, second):
+    return _first_input_alive(first + 1) * second
+
+
+def test_the_eager_compiler_frees_a_graph_input_after_its_last_reader():
+    # as Inductor's graphs do: a backward's saved activations must not outlive their last reader, or the ledger's
+    # peak (which frees them there) would understate the eager compiler's
+    run = boxed_freeing_inputs(fx.symbolic_trace(_reads_its_first_input_once))
+    args = [torch.ones(4), torch.full((4,), 2.0)]
+    _probed["first"] = weakref.ref(args[0])
+    assert torch.equal(run(args), torch.full((4,), 4.0))
+    assert args == [] and _probed["alive"] is False

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from fxshard.errors import FxShardError
-from fxshard.passes.fx_utils import marker_args, marker_layout, replica_ranks, size_hint, storage_roots
+from fxshard.passes.fx_utils import marker_args, marker_layout, replica_ranks, size_hint, storage_lifetimes
 from fxshard.runtime.collectives import COLLECTIVE_ROLES, collective_of, group_name_of
 from fxshard.runtime.ops import UNSHARD
 from fxshard.runtime.sharding import row_size
@@ -236,20 +236,13 @@ def collective_terms(gm: fx.GraphModule, graph: str, sizes: Sizes,
 
 
 def live_peak(gm: fx.GraphModule, graph: str, sizes: Sizes, grads: dict[fx.Node, sympy.Expr]) -> list[Term]:
-    """The tensors ``gm`` holds at its worst point, walking the nodes in order (a tensor lives from the node that
-    makes it to its last use, or past the end if returned; views share their base's storage). Graph inputs that are
-    parameters or the batch are not counted (they are resident or the caller's); saved activations a backward
-    graph takes are, until their last use. Communication buffers and gradients are written in the parameters'
-    counts, the rest as their (possibly symbolic) sizes."""
+    """The tensors ``gm`` holds at its worst point, walking the nodes in order (``storage_lifetimes``: a tensor
+    lives from the node that makes it to its last reader, a returned one to the output; views share their base's
+    storage). Graph inputs that are parameters or the batch are not counted (they are resident or the caller's);
+    saved activations a backward graph takes are, until their last reader. Communication buffers and gradients are
+    written in the parameters' counts, the rest as their (possibly symbolic) sizes."""
     nodes = list(gm.graph.nodes)
-    roots = storage_roots(nodes)
-    last_use: dict[fx.Node, int] = {}
-    for index, node in enumerate(nodes):
-        for used in node.all_input_nodes:
-            last_use[roots[used]] = len(nodes) if node.op == "output" else index
-    for node in nodes:  # autograd keeps what forward saved (and the incoming gradient) until backward returns
-        if node.op == "placeholder":
-            last_use[node] = len(nodes)
+    roots, lifetimes = storage_lifetimes(nodes)
     saved = _saved_outputs(gm)
     aliases: dict[fx.Node, list[fx.Node]] = collections.defaultdict(list)
     for node in nodes:
@@ -262,26 +255,24 @@ def live_peak(gm: fx.GraphModule, graph: str, sizes: Sizes, grads: dict[fx.Node,
         if node.op == "placeholder" and input_index(node) is not None:
             continue  # a parameter or the batch
         held[node] = _held_as(node, aliases[node], value, sizes, grads, saved)
-    # One sweep: each held tensor enters at the node that makes it and leaves at its last use (bytes evaluated once).
-    born = {node: index for index, node in enumerate(nodes)}
-    ends = {h: last_use.get(h, born[h] + 1) for h in held}
+    # One sweep: each held tensor is alive from the node that makes it to its last reader (bytes evaluated once).
     nbytes = {h: sizes_at(held[h][1] * held[h][2], sizes.values) for h in held}
     entering, leaving = collections.defaultdict(list), collections.defaultdict(list)
     for h in held:
-        if born[h] < ends[h]:
-            entering[born[h]].append(h)
-            leaving[ends[h]].append(h)
+        born, last = lifetimes[h]
+        entering[born].append(h)
+        leaving[last].append(h)
     alive: dict[fx.Node, None] = {}
     best, best_bytes, where, total = [], -1, "", 0
     for index, node in enumerate(nodes):
-        for h in leaving[index]:
-            del alive[h]
-            total -= nbytes[h]
         for h in entering[index]:
             alive[h] = None
             total += nbytes[h]
         if total > best_bytes:
-            best, best_bytes, where = sorted(alive, key=born.__getitem__), total, f"{graph}: {node.name}"
+            best, best_bytes, where = sorted(alive, key=lambda h: lifetimes[h][0]), total, f"{graph}: {node.name}"
+        for h in leaving[index]:
+            del alive[h]
+            total -= nbytes[h]
     terms = [Term("peak", held[h][0], held[h][1], held[h][2], f"{graph}: {h.name}", unit=_meta(h).get("unit", ""))
              for h in best]
     return terms + [Term("peak", "peak point", sympy.Integer(0), sympy.Integer(0), where)]

@@ -46,7 +46,7 @@ from fxshard.passes.cost_model import Machine
 from fxshard.simulate.simulator import machine_of, simulate
 from fxshard.torch_compat import (
     aot_module_simplified,
-    make_boxed_func,
+    boxed_freeing_inputs,
     min_cut_rematerialization_partition,
     raised_inside_torch,
 )
@@ -395,7 +395,7 @@ class Backend:
 
     def _compile_graph(self, context, graph_id, inductor: InductorCompiler | None, kind, gm: fx.GraphModule, example_inputs):
         gm, record = self._run(context, graph_id, kind, gm, tune=True)
-        compiled = inductor.compile(kind, gm, example_inputs) if inductor else make_boxed_func(gm.forward)
+        compiled = inductor.compile(kind, gm, example_inputs) if inductor else boxed_freeing_inputs(gm)
         # Before the graph first runs, every rank must have compiled the same collectives (fxshard.compiler.consistency).
         with record.timing(CONSISTENCY):
             check_same_schedule(gm, kind, graph_id, self._check_group_name or context.group_name)
