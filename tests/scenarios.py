@@ -384,7 +384,8 @@ def train_mixed_precision_against_reference(
     """Train with ``param_dtype``/``reduce_dtype`` beside a single process that applies the same casts without
     autocast: an fp32 master; per rank's slice, a ``param_dtype`` copy of it computes the gradient, which is cast
     to ``reduce_dtype``, averaged over the ranks' slices, and cast to fp32 for the master's SGD step. ``mode``:
-    ``"compiled"`` (the model), ``"compiled step"`` (the model and ``opt.step``) or ``"eager"`` (neither)."""
+    ``"compiled"`` (the model), ``"compiled step"`` (the model and ``opt.step``), ``"compiled loss"`` (a function
+    that calls the model and computes the loss, ``fullgraph=True``) or ``"eager"`` (none)."""
     rank, world = rank_and_world()
     model = build_model(model_name)
     master = copy.deepcopy(model)
@@ -392,13 +393,14 @@ def train_mixed_precision_against_reference(
     torch._dynamo.reset()
     backend = fxshard.backend(compiler="eager", stage=stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     model, opt = backend.prepare(model, make_optimizer("sgd", model.parameters()))
-    run = model if mode == "eager" else torch.compile(model, backend=backend, fullgraph=True)
+    run = model if mode in ("eager", "compiled loss") else torch.compile(model, backend=backend, fullgraph=True)
     step = torch.compile(opt.step, backend=backend) if mode == "compiled step" else opt.step
+    loss_fn = torch.compile(loss_of, backend=backend, fullgraph=True) if mode == "compiled loss" else loss_of
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         batch = global_batch(model_name, world * PER_RANK_BATCH, generator)
         slices = [tuple(t[r * PER_RANK_BATCH : (r + 1) * PER_RANK_BATCH] for t in batch) for r in range(world)]
-        loss = loss_of(model_name, run, slices[rank])
+        loss = loss_fn(model_name, run, slices[rank])
         loss.backward()
         step()
         opt.zero_grad()
@@ -422,6 +424,7 @@ def train_mixed_precision_against_reference(
         "updated_dtypes": sorted({str(p.dtype) for g in updating_optimizer(opt).param_groups for p in g["params"]}),
         "state_dtypes": sorted({str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim()}),
         "resident_dtypes": sorted({str(b.dtype) for n, b in model.named_buffers() if "_fxshard_full_" in n}),
+        "graphs": [record.kind for record in backend.graphs],
     }
 
 

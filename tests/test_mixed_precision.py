@@ -34,14 +34,16 @@ def test_bf16_compute_fp32_reduce_matches_same_casts_reference(pools, stage):
         assert result["resident_dtypes"] == (["torch.bfloat16"] if stage == 2 else [])
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled step"])
+@pytest.mark.parametrize("mode", ["eager", "compiled step", "compiled loss"])
 def test_eager_model_and_compiled_step_match_the_same_casts_reference(pools, mode):
-    stages = [0, 1, 2, 3] if mode == "eager" else [1, 2, 3]  # stage 0's step has nothing to publish
+    stages = [1, 2, 3] if mode == "compiled step" else [0, 1, 2, 3]  # stage 0's step has nothing to publish
     for stage in stages:
         for result in pools(2).run(scenarios.train_mixed_precision_against_reference, "mlp", stage, mode=mode):
             for name, want in result["expected"].items():
                 assert relative_error(result["final"][name], want) <= MIXED_PRECISION_TOLERANCE, (stage, name)
             assert result["updated_dtypes"] == ["torch.float32"], stage
+            if mode == "compiled loss":  # the inputs' cast traced inside the one graph (fullgraph=True), not apart
+                assert "inference" not in result["graphs"] and result["graphs"].count("forward") == 1, stage
 
 
 def test_reduce_dtype_none_averages_in_the_compute_dtype(pools):

@@ -223,15 +223,22 @@ def _refuse_conversion(module: nn.Module, fn, recurse: bool = True):
     return module
 
 
-@torch.compiler.disable  # compiled, the hook's frame would become a graph of its own beside the model's
-def _cast_floating_inputs(dtype: torch.dtype, module, args, kwargs):
-    """Mixed precision: floating-point inputs of the model enter in the compute dtype (FSDP2's
-    ``cast_forward_inputs``), so a float input meets weights of its own dtype. A compiled module runs its hooks
-    outside the graph and Dynamo would compile this frame on its own, so it runs eagerly: one cast per input."""
-    def cast(value):
-        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+def _casting_inputs_class(cls: type, dtype: torch.dtype) -> type:
+    """``cls`` whose forward first casts its floating-point inputs to ``dtype`` (mixed precision: FSDP2's
+    ``cast_forward_inputs``), so a float input meets weights of its own dtype. In forward, not in a forward
+    pre-hook: ``torch.compile(model)`` of a model class of one's own runs hooks outside Dynamo, which would compile
+    the cast as a graph of its own, and a compiled function that calls the model (``fullgraph=True``) must trace
+    it inline."""
 
-    return tree_map(cast, (args, kwargs))
+    def forward(self, *args, **kwargs):
+        def cast(value):
+            return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+
+        args, kwargs = tree_map(cast, (args, kwargs))
+        return super(casting, self).forward(*args, **kwargs)
+
+    casting = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+    return casting
 
 
 def _resolve_group(group):
@@ -410,7 +417,7 @@ def shard_parameters(
                 module.register_buffer(_RESIDENT + name, records[id(param)].resident, persistent=False)
         module.__class__ = _accessor_class(type(module), tuple(owned))
     if param_dtype is not None:
-        model.register_forward_pre_hook(functools.partial(_cast_floating_inputs, param_dtype), with_kwargs=True)
+        model.__class__ = _casting_inputs_class(type(model), param_dtype)
     for key in tensor_parallel:  # the DTensor parameters (the optimizer holds them) are replaced at every stage
         register_replaced(specs[key][0], leaves[key])
     return leaves, grad_sync
