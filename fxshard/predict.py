@@ -7,19 +7,23 @@ autotune choices and the prefetch placement are those of that world, made on tha
 step and runs it on meta tensors (the graphs are traced, rewritten and run op by op on shapes alone, in seconds),
 and predicts it with ``fxshard.simulate``.
 
-Depth: the model is compiled at ``COMPILED_DEPTHS`` decoder layers, and the step at the config's depth is the
-deeper step plus the per-layer difference times the layers left (every layer is the same block: its compute, its
-collectives and their overlap repeat). Checked against a full-depth compile of Llama 3 8B (docs/simulate.md).
+Depth: the model is compiled at ``COMPILED_DEPTHS`` decoder layers, and at the config's depth the compute and the
+exposed communication are the deeper step's plus the per-layer difference times the layers left (every layer is
+the same block: its compute, its collectives and their overlap repeat), the exposed part never shrinking with depth
+(a shallow model exposes a little once that a deeper one does not). Where autotune chose among candidates (the
+grouping), each is scaled so and the fastest at full depth taken: a grouping that exposes a little per layer can win
+at 2 layers and lose at 80. Checked against a full-depth compile of Llama 3 8B (docs/simulate.md).
 
 Attention runs as the flash kernel a GPU runs (``_scaled_dot_product_flash_attention_for_cpu``, which fxshard's
 flop counter counts as CUDA's flash attention): on meta tensors torch's SDPA would fall back to the math path and
 price an s x s softmax a GPU never writes.
 
 Activation checkpointing (``ac``): ``"full"`` recomputes every decoder layer in backward, ``"selective"`` every
-second one (torchtitan's selective layer AC, ``ac_freq=2``), ``"none"`` none. The recomputation is priced, not
-traced: a layer's forward compute (from the compiled forward graphs' per-layer difference) is added to the compute
-stream once per checkpointed layer. (Traced on meta tensors, a checkpointed region's attention, a seeded op, would
-need torch's RNG functionalization, which has no meta implementation.)
+second one (torchtitan's selective layer AC, ``ac_freq=2``), ``"none"`` none. The recomputation is simulated, not
+traced (``WhatIf.recompute``): each checkpointed layer's forward compute runs again on the compute stream right
+before the layer's backward, where the collectives in flight hide behind it as they do behind any compute. (Traced
+on meta tensors, a checkpointed region's attention, a seeded op, would need torch's RNG functionalization, which
+has no meta implementation.)
 
 MFU is torchtitan's: model FLOPs per token ``6 * parameters + 12 * layers * hidden * seq`` (recomputation not
 counted) times tokens per second, over the machine's datasheet peak (``Machine.peak_flops_per_s``).
@@ -37,7 +41,8 @@ import torch
 from fxshard.compiler.backend import Backend
 from fxshard.errors import FxShardError
 from fxshard.passes.cost_model import Machine
-from fxshard.simulate.simulator import simulate
+from fxshard.compiler.blocks import ROOT, repeated_blocks
+from fxshard.simulate.simulator import WhatIf, simulate
 from fxshard.testing import fake_process_group
 from fxshard.torch_compat import flash_attention, reset_compiled
 
@@ -110,25 +115,32 @@ def predict_from_config(path, *, world: int, batch: int, seq: int, machine: Mach
     layers = config.num_hidden_layers
     options = {"stage": stage, "param_dtype": param_dtype, **knobs}
     depths = COMPILED_DEPTHS if layers > max(COMPILED_DEPTHS) else (layers,)  # a shallow model: compiled whole
-    steps = {depth: _compiled_step(config, depth, world, batch, seq, machine, options) for depth in depths}
-    if layers in steps:
-        step, compute, exposed, forward = steps[layers]
-        per_layer_forward = forward / layers
-    else:
-        (shallow, low), (deep, high) = sorted(steps.items())
-        per_layer = [(b - a) / (deep - shallow) for a, b in zip(low, high)]
-        step, compute, exposed, _ = (value + (layers - deep) * slope for value, slope in zip(high, per_layer))
-        per_layer_forward = per_layer[3]
-    recomputed = {"none": 0, "selective": -(-layers // 2), "full": layers}[ac] * per_layer_forward
+    steps = {depth: _simulated_steps(*_compiled_step(config, depth, world, batch, seq, machine, options), world,
+                                     machine, ac) for depth in depths}
+    at_depth = {}  # per candidate the backend chose among (its knobs): the step at the config's depth
+    for knobs in steps[depths[-1]]:
+        if layers in steps:
+            at_depth[knobs] = steps[layers][knobs]
+        else:
+            (shallow, (_, compute_low, exposed_low)), (deep, (_, compute, exposed)) = (
+                (depth, steps[depth][knobs]) for depth in depths)
+            compute += (layers - deep) * (compute - compute_low) / (deep - shallow)
+            # what a shallow model exposes once (a gather held back to keep its small peak) can shrink with depth;
+            # each further layer exposes what it exposes, never less than nothing
+            exposed += (layers - deep) * max(0.0, (exposed - exposed_low) / (deep - shallow))
+            at_depth[knobs] = (compute + exposed, compute, exposed)
+    # the choice autotune would make at full depth: a grouping that exposes a little per layer can win at 2 layers
+    # and lose at 80
+    step, compute, exposed = min(at_depth.values())
     flops = _model_flops(config, seq, layers)
-    return Prediction(config.model_type, layers, world, batch, seq, ac, machine.name, step + recomputed,
-                      compute + recomputed, exposed, flops, machine.peak_flops_per_s or machine.flops_per_s)
+    return Prediction(config.model_type, layers, world, batch, seq, ac, machine.name, step, compute, exposed, flops,
+                      machine.peak_flops_per_s or machine.flops_per_s)
 
 
 def _compiled_step(config, depth: int, world: int, batch: int, seq: int, machine: Machine,
-                   options: dict) -> tuple[float, float, float, float]:
-    """(step, busy compute, exposed communication, forward graphs' compute) seconds of the model cut to ``depth``
-    layers, compiled and run on meta tensors under a fake group of ``world`` ranks."""
+                   options: dict) -> tuple[Backend, list[str]]:
+    """The backend that compiled one step of the model cut to ``depth`` layers, run on meta tensors under a fake
+    group of ``world`` ranks, and the names of its decoder layers."""
     import transformers
 
     _register_flash_attention()
@@ -142,11 +154,32 @@ def _compiled_step(config, depth: int, world: int, batch: int, seq: int, machine
         backend = Backend(compiler="eager", machine=machine, **options)
         model, _ = backend.prepare(model, torch.optim.AdamW(model.parameters()), device="meta")
         ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-        step = torch.compile(model, backend=backend, fullgraph=True)
-        step(input_ids=ids, labels=ids).loss.backward()
-        timeline = simulate(backend, world, machine=machine)
-    forward = sum(e.end - e.start for e in timeline.events if e.stream == "compute" and e.graph.endswith("forward"))
-    return timeline.step_time, timeline.compute_time, timeline.exposed_comm, forward
+        torch.compile(_training_loss, backend=backend, fullgraph=True)(model, ids).backward()
+    return backend, [block for block in repeated_blocks(model) if block != ROOT]
+
+
+def _simulated_steps(backend: Backend, layers: list[str], world: int, machine: Machine,
+                     ac: str) -> dict[str | None, tuple[float, float, float]]:
+    """(step, busy compute, exposed communication) seconds of ``backend``'s step, its checkpointed layers (``ac``)
+    recomputed in backward; per candidate autotune chose among (by its knobs; None where there was no choice)."""
+    checkpointed = {"none": [], "selective": layers[::2], "full": layers}[ac]
+    what_if = WhatIf(recompute=tuple(checkpointed))
+    choices = [r.final.meta["fxshard_choice"] for r in backend.graphs
+               if r.final is not None and "fxshard_choice" in r.final.meta]
+    candidates = list(dict.fromkeys(c["knobs"] for choice in choices for c in choice["candidates"])) or [None]
+    steps = {}
+    for knobs in candidates:
+        timeline = simulate(backend, world, machine=machine, what_if=what_if, knobs=knobs)
+        steps[knobs] = (timeline.step_time, timeline.compute_time, timeline.exposed_comm)
+    return steps
+
+
+def _training_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """The next-token loss of a causal LM, as HuggingFace computes it (in fp32 over the vocabulary), written out:
+    ``labels=`` would reach ``aten::nll_loss``, whose meta kernel has no autograd formula (torch warns while tracing
+    the backward)."""
+    logits = model(input_ids=ids).logits.float()
+    return -logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).mean()
 
 
 def _model_flops(config, seq: int, layers: int) -> float:

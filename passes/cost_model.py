@@ -72,6 +72,9 @@ class Machine:
     """Bytes/s per rank of an all-to-all: fxshard's reduce-scatter on gloo and every quantized one, each rank
     sending its rows to every peer at once (gloo on one host moves them faster than an all-gather's); None:
     ``bandwidth``."""
+    gathers_into_staging: bool = False
+    """Whether the collectives' backend gathers into a buffer of its own and copies out (gloo), so that a gather in
+    flight holds its output twice; NCCL writes in place. The prefetch pass's memory estimate counts it."""
     peak_flops_per_s: float | None = None
     """The datasheet's peak FLOP/s, which model FLOPs utilisation (MFU) is reckoned against; None: ``flops_per_s``."""
     name: str = "custom"
@@ -93,7 +96,7 @@ class Machine:
 
 GLOO_ON_CPU = Machine(flops_per_s=8.75e10, memory_bandwidth=1.0e10, bandwidth=9.75e8, latency=0.0,
                       collective_overhead=2.1e-3, op_overhead=9.0e-6, overlap=0.48, all_to_all_bandwidth=1.27e9,
-                      name="GLOO_ON_CPU (gloo on one CPU host, calibrated)")
+                      gathers_into_staging=True, name="GLOO_ON_CPU (gloo on one CPU host, calibrated)")
 """gloo between processes of one host, one CPU thread per rank: what ``fxshard.simulate.calibrate`` measured on 2
 ranks with the benchmark GPT at stage 3 (the machine, the date and how close its predictions came: docs/simulate.md). What sets it
 apart: a per-collective overhead far above the per-hop latency, an all-to-all faster than an all-gather, less than

@@ -18,8 +18,10 @@ in a row, so nothing overlaps. This pass moves nodes (it never adds, removes or 
   link runs them one after the other);
 - at no point are more than ``max_inflight_gathers`` gathered buffers alive (issued and not yet past their last use
   by compute, views of the buffer included); a gather that would exceed that is issued after the compute that frees
-  an earlier one, and never later than where the lowering put it. Buffers kept for backward
-  (``reshard_after_forward=False``) are the memory ledger's business, not this cap's;
+  an earlier one, and never later than where the lowering put it. A buffer read again after the new gather's last
+  reader (the root unit's, gathered for the embedding and read again by the LM head) is alive wherever the new
+  gather goes and does not count: as FSDP2 keeps its root unsharded and prefetches the blocks beside it. Buffers
+  kept for backward (``reshard_after_forward=False``) are the memory ledger's business, not this cap's;
 - ``prefetch`` is the most units ahead a gather goes: the cost model (``cost_model.py`` on ``ctx.machine``, what
   the simulator predicts with) estimates each gather's time and the compute of the units in between, and the
   gather goes only as far ahead as it needs to be hidden (less memory).
@@ -80,7 +82,7 @@ class _Collective:
     completion: list[fx.Node]  # its wait and copy-out, in graph order
     first_use: int  # position of the first node outside the collective that reads its completion
     last_use: int  # position of the last such node, the output excepted
-    nbytes: tuple[int, int] = (0, 0)  # gathers: (gathered buffer, the input it was copied into)
+    nbytes: tuple[int, int] = (0, 0)  # gathers: (gathered buffer, what more is alive while it is in flight)
 
 
 def _comm_side(node: fx.Node, unit: str) -> bool:
@@ -153,13 +155,13 @@ def _live_bytes(graph: fx.Graph, skip: set[fx.Node]) -> list[int]:
 
 def _footprint(curve: list[int], gather: _Collective, slot: int, sign: int = 1) -> None:
     """Add (``sign`` 1) or remove (-1) a gather issued before position ``slot`` to ``curve``: its gathered buffer
-    until its last reader, and while it is in flight (to its wait) its input and a staging copy of the gathered
-    buffer (gloo gathers into one of its own and copies out)."""
-    gathered, copied_in = gather.nbytes
+    until its last reader, and while it is in flight (to its wait) its input and, where the machine's backend gathers
+    into a buffer of its own (``Machine.gathers_into_staging``), that copy."""
+    gathered, in_flight = gather.nbytes
     for position in range(slot, gather.last_use + 1):
         curve[position] += sign * gathered
     for position in range(slot, gather.first_use + 1):
-        curve[position] += sign * (gathered + copied_in)
+        curve[position] += sign * in_flight
 
 
 def _without_raising_peak(curve: list[int], gather: _Collective, slot: int) -> int:
@@ -169,10 +171,9 @@ def _without_raising_peak(curve: list[int], gather: _Collective, slot: int) -> i
     _footprint(curve, gather, natural)
     peak = max(curve)
     _footprint(curve, gather, natural, -1)
-    in_flight = sum(gather.nbytes)
     earliest = slot
     for position in range(slot, natural):
-        if curve[position] + gather.nbytes[0] + in_flight > peak:
+        if curve[position] + sum(gather.nbytes) > peak:
             earliest = position + 1
     return earliest
 
@@ -201,7 +202,9 @@ def _gather_slots(gathers: list[_Collective], ctx: PassContext, work_before: lis
                 break  # this much compute already hides it: going further ahead only costs memory
         slot = max(gathers[k - lookahead].first_use if k - lookahead >= 0 else 0, previous)
         while True:  # the in-flight cap: wait for the compute that frees the oldest live buffer
-            alive = sorted(g.last_use for g in gathers[:k] if g.last_use >= slot)
+            # a buffer read again after this one is done with (the root's: embedding in, LM head out) is held
+            # however early this gather goes: it does not count
+            alive = sorted(g.last_use for g in gathers[:k] if slot <= g.last_use <= gather.last_use)
             if len(alive) < ctx.max_inflight_gathers:
                 break
             slot = alive[len(alive) - ctx.max_inflight_gathers] + 1
@@ -278,9 +281,9 @@ def _keys(gm: fx.GraphModule, ctx: PassContext, machine: Machine) -> tuple[dict,
     in_flight = [(r, keys[r.node][0], min(r.first_use, limit[r.node][0] + 1 if r.node in limit else r.first_use))
                  for r in reductions]
     for gather in gathers:
-        copied_in = [a for a in gather.node.all_input_nodes if a in gather.issue]
-        gather.nbytes = (tensor_bytes(gather.node.meta.get("val")), sum(tensor_bytes(a.meta.get("val"))
-                                                                        for a in copied_in))
+        gathered = tensor_bytes(gather.node.meta.get("val"))
+        copied_in = sum(tensor_bytes(a.meta.get("val")) for a in gather.node.all_input_nodes if a in gather.issue)
+        gather.nbytes = (gathered, copied_in + (gathered if machine.gathers_into_staging else 0))
     curve = _live_bytes(graph, {n for g in gathers for n in (*g.issue, *g.completion)})
     slots, waits_before = _gather_slots(gathers, ctx, work_before, comm_s, in_flight, curve)
     for reduction, slot in waits_before.items():

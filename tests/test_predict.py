@@ -8,7 +8,8 @@ import torch
 
 from fxshard import predict
 from fxshard.errors import FxShardError
-from fxshard.simulate.machines import load_machine
+from fxshard.simulate.machines import H100_80GB_SXM, gpu_node, load_machine
+from fxshard.simulate.simulator import WhatIf, simulate
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 2, "num_hidden_layers": 6, "vocab_size": 256, "max_position_embeddings": 128,
@@ -25,11 +26,11 @@ def tiny_config(tmp_path_factory):
 
 @pytest.fixture(autouse=True, scope="module")
 def compiled_once():
-    """Each (depth, world, batch, seq) compiled once for the module: the tests vary what is made of the steps."""
+    """Each (depth, world, batch, seq, machine) compiled once for the module: the tests vary what is made of the steps."""
     steps, compile_step = {}, predict._compiled_step
 
-    def remembered(config, depth, world, batch, seq, machine, options):
-        key = (depth, world, batch, seq)
+    def remembered(config, depth, world, batch, seq, machine, options):  # a compiled step is the same for every ac
+        key = (depth, world, batch, seq, machine)
         if key not in steps:
             steps[key] = compile_step(config, depth, world, batch, seq, machine, options)
         return steps[key]
@@ -59,11 +60,37 @@ def test_model_flops_are_torchtitans_count_of_the_full_depth_model(tiny_config):
     assert prediction.tokens_per_s == 2 * 64 / prediction.step_s
 
 
-def test_activation_checkpointing_adds_the_recomputed_forward(tiny_config):
+def test_activation_checkpointing_recomputes_each_checkpointed_layers_forward(tiny_config):
     runs = {ac: predict.predict_from_config(tiny_config, world=16, batch=2, seq=64, machine=MACHINE, ac=ac)
             for ac in predict.AC_MODES}
-    full = runs["full"].step_s - runs["none"].step_s
-    assert full > 0 and runs["selective"].step_s - runs["none"].step_s == pytest.approx(full / 2)
+    none, full = runs["none"], runs["full"]
+    recomputed = full.compute_s - none.compute_s
+    # every other layer (a layer's forward differs from another's by an op or two: the first one's reshapes)
+    assert recomputed > 0 and runs["selective"].compute_s - none.compute_s == pytest.approx(recomputed / 2, rel=0.01)
+    assert none.step_s < runs["selective"].step_s < full.step_s
+
+
+def test_a_checkpointed_layer_recomputes_its_forward_before_its_backward_hiding_collectives(tiny_config):
+    slow = gpu_node(H100_80GB_SXM, 0.01)  # communication-bound: the backward's collectives are exposed
+    backend, layers = predict._compiled_step(predict.load_config(tiny_config), 2, 16, 2, 64, slow,
+                                             {"stage": 3, "param_dtype": torch.bfloat16})
+    plain = simulate(backend, 16, machine=slow)
+    timeline = simulate(backend, 16, machine=slow, what_if=WhatIf(recompute=tuple(layers)))
+    recomputed = timeline.compute_time - plain.compute_time
+    backward = [e for e in timeline.events if e.stream == "compute" and e.graph.endswith("backward")]
+    again = {e.unit: e.end - e.start for e in backward if e.node.startswith("recompute ")}
+    assert sorted(again) == sorted(layers) and sum(again.values()) == pytest.approx(recomputed)
+    forward = [e for e in timeline.events if e.stream == "compute" and e.graph.endswith("forward")]
+    for layer in layers:
+        inside = sum(e.end - e.start for e in forward if e.unit.startswith(layer + "."))
+        with_own = sum(e.end - e.start for e in forward if e.unit == layer or e.unit.startswith(layer + "."))
+        # its submodules' compute and the layer's own (its residual adds), not its gathers' copies
+        assert 0 < inside <= again[layer] <= with_own
+        at = next(i for i, e in enumerate(backward) if e.node == f"recompute {layer}")
+        assert backward[at + 1].unit.startswith(layer + ".")  # the layer's own backward follows
+        assert not any(e.unit.startswith(layer + ".") for e in backward[:at])
+    assert timeline.exposed_comm < plain.exposed_comm  # gathers in flight hide behind the recomputation...
+    assert plain.step_time <= timeline.step_time < plain.step_time + recomputed  # ... so it costs less than itself
 
 
 def test_a_config_without_a_model_type_or_an_unknown_ac_is_refused(tmp_path, tiny_config):

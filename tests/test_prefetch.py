@@ -1,5 +1,6 @@
 """prefetch_pass and the schedule= hook: pure reorders, where collectives land, and numerics on gloo."""
 
+import dataclasses
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from examples.models import Block
 from fxshard.passes import Machine, PassContext, exposed_communication, make_prefetch_pass, prefetch_pass
 from expecttest import assert_expected_inline
 
+from fxshard.passes.cost_model import GLOO_ON_CPU
 from fxshard.testing import fake_process_group
 
 aten = torch.ops.aten
@@ -293,6 +295,36 @@ def test_the_in_flight_cap_holds_back_deeper_prefetch(scheduled):
     assert alive_gathers(capped["forward"]) == 2 and alive_gathers(scheduled[2]["forward"]) == 3
 
 
+class EmbeddedBlocks(nn.Module):
+    """Blocks between an input and an output projection tied as one weight (an embedding and its LM head): the
+    root unit's gathered weight lives from the first matmul to the last."""
+
+    def __init__(self):
+        super().__init__()
+        self.tied = nn.Linear(8, 8, bias=False)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        x = self.tied(x)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x @ self.tied.weight
+
+
+def test_a_buffer_alive_across_the_blocks_does_not_hold_their_prefetch_back():
+    # the root's weight is alive wherever the blocks' gathers go: counted against max_inflight_gathers=2, it would
+    # leave room for one block at a time and no block's gather could go ahead of its own compute
+    graphs = compile_four_blocks(EmbeddedBlocks, prefetch=1, bucket="block", blocks=["blocks.0", "blocks.1",
+                                                                                     "blocks.2", "blocks.3"])
+    assert lookaheads(graphs["forward"]) == [1] * 5
+    lines = without_waits(graphs["forward"])
+    issued = [line for line in lines if line.startswith("all_gather")]
+    matmuls = [i for i, line in enumerate(lines) if line.startswith("    mm")]
+    # every block's gather is issued before the matmul of the unit ahead of it (root, blocks.0, ...)
+    for k, line in enumerate(issued[1:], start=1):
+        assert lines.index(line) < matmuls[k - 1], (line, lines)
+
+
 def without_waits(gm) -> list[str]:
     return [line for line in positions(gm).splitlines() if not line.startswith("wait(")]
 
@@ -375,8 +407,17 @@ def test_a_gather_that_would_raise_the_peak_is_held_back():
     # the FourBlocks of the tests above, with 4 rows instead of 64: a block's weight outweighs its activations,
     # and no gather can go ahead without raising the peak
     small = compile_four_blocks(rows=4, prefetch=1)["forward"]
-    assert [n.meta["fxshard"]["schedule"]["held_back_for_peak"] for n in small.graph.nodes
-            if n.meta.get("fxshard", {}).get("role") == "all_gather"] == [False, True, True, True]
+    assert held_back(small) == [False, True, True, True]
+    # gloo gathers into a buffer of its own: a gather in flight holds its output twice. Where the backend writes in
+    # place (NCCL), 8 rows leave room for every gather ahead that gloo's staging copy takes
+    assert held_back(compile_four_blocks(rows=8, prefetch=1)["forward"]) == [False, False, False, True]
+    in_place = dataclasses.replace(GLOO_ON_CPU, gathers_into_staging=False)
+    assert held_back(compile_four_blocks(rows=8, prefetch=1, machine=in_place)["forward"]) == [False] * 4
+
+
+def held_back(gm) -> list[bool]:
+    return [n.meta["fxshard"]["schedule"]["held_back_for_peak"] for n in gm.graph.nodes
+            if n.meta.get("fxshard", {}).get("role") == "all_gather"]
 
 
 # -- the schedule= hook ---------------------------------------------------------------------------------------------

@@ -459,10 +459,14 @@ def test_gpu_presets_are_the_datasheets_peaks_times_the_stated_efficiencies():
         for gbits in (100, 200, 400):
             machine = PRESETS[f"{key}-{gbits}g"]
             assert machine.flops_per_s == gpu.bf16_flops_per_s * stated.compute
-            assert machine.bandwidth == gbits / 8 * 1e9 * stated.link  # the ring across nodes: the network's pace
+            # a ring across nodes: one per port, so the node's 8 ports add up, until each GPU's NVLink is full
+            assert machine.bandwidth == min(8 * gbits / 8 * 1e9, gpu.nvlink_bytes_per_s) * stated.link
             assert machine.node_bandwidth == gpu.nvlink_bytes_per_s * stated.link  # re-gathers inside a node
             assert f"{gbits} Gb/s" in machine.name and gpu.name in machine.name
     # the same step predicts faster on the faster system
     graphs = [simulate(scenarios.compiled_model("chain", 3), 64, machine=PRESETS[name]).step_time
               for name in ("a100-sxm-100g", "h100-sxm-400g")]
     assert graphs[1] < graphs[0]
+    # 400 Gb/s ports would carry 400 GB/s a node; an A100's NVLink (300 GB/s each way) caps the ring, an H100's not
+    assert PRESETS["a100-sxm-400g"].bandwidth == A100_80GB_SXM.nvlink_bytes_per_s * stated.link
+    assert PRESETS["h100-sxm-400g"].bandwidth == 400e9 * stated.link

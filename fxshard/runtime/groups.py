@@ -36,7 +36,8 @@ def _one_thread_gloo(store, rank: int, world_size: int, timeout: datetime.timede
     return gloo_with_options(store, rank, world_size, timeout=timeout, threads=1)
 
 
-def _uses_gloo(group) -> bool:
+def uses_gloo(group) -> bool:
+    """Whether ``group`` communicates over gloo (alone, or for its CPU tensors)."""
     backend = dist.get_backend(group)
     return backend == "gloo" or "cpu:gloo" in backend.split(",")
 
@@ -62,7 +63,7 @@ def collective_group(group, timeout_s: float) -> dist.ProcessGroup:
     """The group fxshard's collectives over ``group``'s ranks run on: a one-worker-thread gloo twin of a gloo
     ``group`` (made once per group and timeout, by every rank of ``group`` together, and made anew for a group
     that replaced a destroyed one of the same name), else ``group`` itself."""
-    if not _uses_gloo(group):
+    if not uses_gloo(group):
         return group
     key = (group.group_name, float(timeout_s))
     twin = _live_twin(key, group)

@@ -21,6 +21,7 @@ from fxshard.passes.cost_model import Machine, collective_role, compute_seconds,
 from fxshard.passes.fx_utils import size_hint
 from fxshard.passes.trial import copied_graph
 from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT
+from fxshard.runtime.groups import uses_gloo
 from fxshard.torch_compat import c10d_functional
 
 from .simulator import compute_nodes, graphs_of, simulate
@@ -355,5 +356,6 @@ def calibrate(group=None, *, backend=None, step=None, sizes=(1 << 12, 1 << 16, 1
     machine = Machine(flops_per_s=flops, memory_bandwidth=memory, latency=latency, collective_overhead=overhead,
                       bandwidth=fit_bandwidth(full_bytes, ring_times[0::3], world),
                       all_to_all_bandwidth=fit_bandwidth(full_bytes, ring_times[2::3], world),
+                      gathers_into_staging=uses_gloo(group or dist.group.WORLD),
                       name=f"calibrated on {world} ranks of this group")
     return machine if backend is None else fit_step(machine, backend, world, *step_times)

@@ -52,13 +52,20 @@ NODE_RANKS = 8
 NETWORK_LATENCY, NVLINK_LATENCY, COLLECTIVE_OVERHEAD, OP_OVERHEAD = 5e-6, 2e-6, 1e-5, 5e-6
 
 
+def ring_bus_bandwidth(gpu: GPU, network_gbits: float) -> float:
+    """Bytes/s a ring over several nodes moves (its bus bandwidth: ``(N-1)/N`` of the buffer per second): NCCL runs
+    one ring per network port, each carrying its share of the buffer through every GPU, so the node's ports add up
+    (``NODE_RANKS`` times one GPU's) until each GPU's NVLink, which every ring crosses, is full."""
+    return min(NODE_RANKS * network_gbits / 8 * 1e9, gpu.nvlink_bytes_per_s)
+
+
 def gpu_node(gpu: GPU, network_gbits: float, efficiency: Efficiency = Efficiency()) -> Machine:
-    """A node of ``NODE_RANKS`` ``gpu``s over NVLink, each with a ``network_gbits`` Gb/s link to other nodes."""
+    """A node of ``NODE_RANKS`` ``gpu``s over NVLink, each with a ``network_gbits`` Gb/s port to other nodes."""
     return Machine(
         flops_per_s=gpu.bf16_flops_per_s * efficiency.compute,
         peak_flops_per_s=gpu.bf16_flops_per_s,
         memory_bandwidth=gpu.memory_bytes_per_s * efficiency.memory,
-        bandwidth=network_gbits / 8 * 1e9 * efficiency.link,
+        bandwidth=ring_bus_bandwidth(gpu, network_gbits) * efficiency.link,
         latency=NETWORK_LATENCY,
         node_bandwidth=gpu.nvlink_bytes_per_s * efficiency.link,
         node_latency=NVLINK_LATENCY,

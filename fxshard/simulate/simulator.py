@@ -24,8 +24,10 @@ The optimizer step's own collectives (stages 1, 2) run eagerly after backward an
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 
 import sympy
@@ -66,13 +68,20 @@ class WhatIf:
     quantize_grads: str | None = None
     quantize_block: int = DEFAULT_QUANTIZE_BLOCK
     secondary: int | None = None
+    recompute: tuple[str, ...] = ()  # modules (names) whose forward backward recomputes: activation checkpointing
 
     def describe(self) -> str:
         parts = [f'{k}="{v}"' for k, v in (("quantize_weights", self.quantize_weights),
                                            ("quantize_grads", self.quantize_grads)) if v]
         if self.secondary:
             parts.append(f"reshard_after_forward={self.secondary}")
+        if self.recompute:
+            parts.append(f"{len(self.recompute)} modules checkpointed")
         return ", ".join(parts) or "as compiled"
+
+    def checkpointed(self, unit: str) -> str | None:
+        """The checkpointed module a compute node of ``unit`` (its module's name) runs in, if any."""
+        return next((m for m in self.recompute if unit == m or unit.startswith(m + ".")), None)
 
     def scheme_for(self, node: fx.Node, role: str) -> str | None:
         meta = node.meta.get("fxshard", {})
@@ -137,12 +146,21 @@ class Timeline:
 
 def _unit(node: fx.Node) -> str:
     """The fxshard unit of a node the passes made, else the innermost module Dynamo traced it in."""
-    unit = node.meta.get("fxshard", {}).get("unit")
-    if unit:
-        return unit
+    return node.meta.get("fxshard", {}).get("unit") or module_of(node)
+
+
+def module_of(node: fx.Node) -> str:
+    """The name of the innermost module (as ``named_modules`` gives it) whose forward traced ``node`` (a backward
+    node: the forward node it differentiates), from Dynamo's ``nn_module_stack`` paths (``L['self'].layers[0]``,
+    ``L['args'][0].model._modules['norm']``); "" where none did. Entries for plain functions (``G[...]``) are
+    skipped."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    path = next(reversed(stack.values()), ("",))[0] if stack else ""
-    return path.removeprefix("L['self'].").replace("._modules['", ".").replace("']", "")
+    paths = [path for path, _ in stack.values() if path.startswith("L[")]
+    if not paths:
+        return ""
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", paths[-1])
+    path = re.sub(r"^L\[[^\]]*\](\[[^\]]*\])*\.?", "", path)  # the frame's local: self, args[0]
+    return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -193,8 +211,15 @@ def _priced(node: fx.Node, role: str, name: str, world: int, machine: Machine, w
 
 
 def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, start: float = 0.0,
-                   what_if: WhatIf | None = None):
-    """Run one graph's nodes on the two streams; returns (end time, busy compute, busy comm, events)."""
+                   what_if: WhatIf | None = None, recompute: collections.Counter | None = None):
+    """Run one graph's nodes on the two streams; returns (end time, busy compute, busy comm, events).
+
+    Activation checkpointing (``what_if.recompute``): a forward graph adds each checkpointed module's compute to
+    ``recompute``; a backward graph spends it, running the module's forward again on the compute stream right
+    before the module's first node, where the collectives in flight hide behind it as behind any compute."""
+    checkpointed = what_if.checkpointed if what_if is not None and what_if.recompute and recompute is not None \
+        else None
+    forward = name.endswith("forward")
     compute_at = comm_at = start
     busy_compute = busy_comm = 0.0
     done: dict[fx.Node, float] = {}
@@ -218,6 +243,16 @@ def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, 
             compute_at = max(compute_at, done.get(issued, compute_at)) + unpacking.get(issued, 0.0)
         else:
             seconds = compute_seconds(node, machine)
+            # the model's own compute, not the gathers' copies (a recomputed forward reads backward's gathers)
+            model_own = node.meta.get("fxshard", {}).get("role") is None
+            module = checkpointed(module_of(node)) if checkpointed and model_own else None
+            if module is not None and forward:
+                recompute[module] += seconds
+            elif module is not None and recompute.get(module):
+                again = recompute.pop(module)
+                events.append(Event(name, f"recompute {module}", "compute", compute_at, compute_at + again, module))
+                compute_at += again
+                busy_compute += again
             events.append(Event(name, node.name, "compute", compute_at, compute_at + seconds, _unit(node)))
             compute_at += seconds
             busy_compute += seconds
@@ -235,14 +270,18 @@ def chosen_candidate(candidates: list[dict], seconds: list[float]) -> int:
 
 
 def as_chosen_at(gm: fx.GraphModule, name: str, world: int, machine: Machine,
-                 what_if: WhatIf | None = None) -> fx.GraphModule:
+                 what_if: WhatIf | None = None, knobs: str | None = None) -> fx.GraphModule:
     """The graph the backend would have compiled for ``world`` ranks on ``machine``: where autotune chose among
-    candidates (``gm.meta["fxshard_choice"]``), the one ``chosen_candidate`` picks by their predictions there (whether
-    each fits the memory budget stays as judged at the compiled world); else ``gm`` itself."""
+    candidates (``gm.meta["fxshard_choice"]``), the one with ``knobs`` (``autotune.describe_knobs``) where one has
+    them, else the one ``chosen_candidate`` picks by their predictions there (whether each fits the memory budget
+    stays as judged at the compiled world); else ``gm`` itself."""
     choice = gm.meta.get("fxshard_choice")
     if choice is None:
         return gm
     candidates = choice["candidates"]
+    named = [c["graph"] for c in candidates if c["knobs"] == knobs]
+    if named:
+        return named[0]
     seconds = [simulate_graph(c["graph"], name, world, machine, what_if=what_if)[0] for c in candidates]
     return candidates[chosen_candidate(candidates, seconds)]["graph"]
 
@@ -300,7 +339,8 @@ def graphs_of(source) -> tuple[list[tuple[str, fx.GraphModule]], list[tuple[str,
 
 
 def simulate(source, world: int, *, bandwidth: float | None = None, latency: float | None = None,
-             flops: float | None = None, machine: Machine | None = None, what_if: WhatIf | None = None) -> Timeline:
+             flops: float | None = None, machine: Machine | None = None, what_if: WhatIf | None = None,
+             knobs: str | None = None) -> Timeline:
     """Predict one training step on ``world`` ranks from the rewritten graphs of ``source`` (a backend that ran
     a step, or GraphModules): ``bandwidth`` bytes/s per rank, ``latency`` seconds per ring hop, ``flops`` FLOP/s
     per rank override ``machine``'s (see :class:`Machine`, :func:`calibrate`; None: ``machine_of(source)``, a
@@ -310,7 +350,8 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
     ``machine.replicate_bandwidth`` and ``replicate_latency`` (where None, the ring's, overrides included).
     ``what_if``: communication options priced on graphs compiled without them (:class:`WhatIf`). Where the backend
     chose a graph's knobs (``bucket="auto"``, prefetch under a memory budget), the choice is made again for
-    ``world`` ranks on ``machine`` (:func:`as_chosen_at`)."""
+    ``world`` ranks on ``machine`` (:func:`as_chosen_at`), or the candidate compiled with ``knobs`` (as
+    ``describe_choices`` names them: ``'bucket="layer", prefetch=1, max_inflight_gathers=2'``) where there is one."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise FxShardError(f"world must be a positive number of ranks, got {world!r}")
     machine = machine or machine_of(source)
@@ -323,9 +364,11 @@ def simulate(source, world: int, *, bandwidth: float | None = None, latency: flo
     graphs, step_collectives, update_bytes = graphs_of(source)
     clock = compute = comm = 0.0
     events: list[Event] = []
+    recompute: collections.Counter = collections.Counter()  # per checkpointed module: its forward's compute
     for name, gm in graphs:
-        gm = as_chosen_at(gm, name, world, machine, what_if)
-        clock, busy_compute, busy_comm, graph_events = simulate_graph(gm, name, world, machine, clock, what_if)
+        gm = as_chosen_at(gm, name, world, machine, what_if, knobs)
+        clock, busy_compute, busy_comm, graph_events = simulate_graph(gm, name, world, machine, clock, what_if,
+                                                                      recompute)
         compute += busy_compute
         comm += busy_comm
         events += graph_events
