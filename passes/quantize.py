@@ -54,6 +54,15 @@ def packing_saves(elements: int, element_size: int, scheme: str, block: int) -> 
     return wire_bytes(elements, scheme, block) < elements * element_size
 
 
+def packed_rows_bytes(row: int, rows: int, element_size: int, scheme: str, block: int) -> int | None:
+    """Bytes ``rows`` rows of ``row`` values of ``element_size`` bytes travel as, packed as ``scheme`` (each row
+    padded to whole blocks, with its scales); None where packing would not make a row smaller (it travels as it
+    is). The one pricing of the wire options' bytes: the simulator's per collective, the ledger's per term."""
+    if not packing_saves(row, element_size, scheme, block):
+        return None
+    return rows * wire_bytes(row, scheme, block)
+
+
 class QuantizedNodes:
     """Emits the packing and unpacking nodes through ``emit(role, target, *args)`` (``lower_collectives``'s
     emitter: every node records its unit and role)."""

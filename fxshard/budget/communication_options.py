@@ -10,7 +10,7 @@ import math
 
 import sympy
 
-from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_saves, wire_bytes
+from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packed_rows_bytes, wire_bytes
 
 from .graph_terms import SCALES
 from .symbols import N, Q_GRAD, Q_PARAM, Ledger, Term
@@ -29,11 +29,9 @@ def _packed(ledger: Ledger, term: Term, scheme: str, block: int) -> float:
     N rows), where packing makes it smaller (``passes.quantize.packing_saves``)."""
     elements, width = ledger.at(term.elements), ledger.at(term.width)
     rows = 1 if term.item == "all_gather" else ledger.at(N)
-    row = math.ceil(elements / rows)
     sent = ledger.at(term.moved)
-    if not packing_saves(row, width, scheme, block):
-        return sent
-    return sent * rows * wire_bytes(row, scheme, block) / (elements * width)
+    packed = packed_rows_bytes(math.ceil(elements / rows), rows, width, scheme, block)
+    return sent if packed is None else sent * packed / (elements * width)
 
 
 def _scheme(term: Term, weights: str | None, grads: str | None) -> str | None:

@@ -49,7 +49,7 @@ from fxshard.passes.cost_model import (
     ring_of,
 )
 from fxshard.passes.fx_utils import size_hint
-from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packing_nodes, packing_saves, wire_bytes
+from fxshard.passes.quantize import DEFAULT_QUANTIZE_BLOCK, packed_rows_bytes, packing_nodes
 from fxshard.runtime.collectives import COLLECTIVE_ROLES, WAIT, collective_of
 from fxshard.runtime.groups import scatters_by_all_to_all
 from fxshard.runtime.param import spec_of
@@ -90,15 +90,11 @@ class WhatIf:
         return {"all_gather": self.quantize_weights, "reduce_scatter": self.quantize_grads}.get(role)
 
 
-def packed_bytes(full_elements: int, element_size: int, role: str, world: int, scheme: str, block: int) -> float:
+def packed_bytes(full_elements: int, element_size: int, world: int, scheme: str, block: int) -> float:
     """Bytes of a collective's full buffer packed as ``scheme`` (``passes/quantize.py``: a row per rank), or as it is
     where packing would not make a row smaller."""
-    row = -(-full_elements // world)
-    if not packing_saves(row, element_size, scheme, block):
-        return full_elements * element_size
-    return world * wire_bytes(row, scheme, block)
-
-
+    packed = packed_rows_bytes(-(-full_elements // world), world, element_size, scheme, block)
+    return full_elements * element_size if packed is None else packed
 
 
 def machine_of(source) -> Machine:
@@ -196,7 +192,7 @@ def _priced(node: fx.Node, role: str, name: str, world: int, machine: Machine, w
         return collective_seconds(kind, full, ranks, ring), 0.0, 0.0
     value = node.meta.get("val") if role == "all_gather" else node.args[0].meta.get("val")
     elements = size_hint(value.numel())
-    packed = packed_bytes(elements, value.element_size(), role, ranks, scheme, what_if.quantize_block)
+    packed = packed_bytes(elements, value.element_size(), ranks, scheme, what_if.quantize_block)
     if packed == full:
         return collective_seconds(kind, full, ranks, ring), 0.0, 0.0
     # a gather packs this rank's row and unpacks every rank's; a reduction packs and unpacks every rank's rows,
