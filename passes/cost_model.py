@@ -98,9 +98,10 @@ GLOO_ON_CPU = Machine(flops_per_s=8.75e10, memory_bandwidth=1.0e10, bandwidth=9.
                       collective_overhead=2.1e-3, op_overhead=9.0e-6, overlap=0.48, all_to_all_bandwidth=1.27e9,
                       gathers_into_staging=True, name="GLOO_ON_CPU (gloo on one CPU host, calibrated)")
 """gloo between processes of one host, one CPU thread per rank: what ``fxshard.simulate.calibrate`` measured on 2
-ranks with the benchmark GPT at stage 3 (the machine, the date and how close its predictions came: docs/simulate.md). What sets it
-apart: a per-collective overhead far above the per-hop latency, an all-to-all faster than an all-gather, less than
-half of a collective's time hidden by compute (the rest takes the cores compute runs on)."""
+ranks with the benchmark GPT at stage 3 (the machine, the date and how close its predictions came:
+docs/simulate.md). What sets it apart: a per-collective overhead far above the per-hop latency, an all-to-all faster
+than an all-gather, less than half of a collective's time hidden by compute (the rest takes the cores compute runs
+on), and gloo's staging copy of a gather's output."""
 
 NCCL_ON_GPU = Machine(flops_per_s=5e13, memory_bandwidth=2e12, bandwidth=5e10, latency=5e-6,
                       collective_overhead=2e-5, name="NCCL_ON_GPU (one GPU node, stated figures)")

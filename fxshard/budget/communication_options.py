@@ -26,7 +26,7 @@ def _packable(term: Term, kind: str, wire_width) -> bool:
 
 def _packed(ledger: Ledger, term: Term, scheme: str, block: int) -> float:
     """Bytes a ring sends for ``term`` packed as ``scheme`` (a gather packs one row, this rank's shards; a reduction
-    N rows), where packing makes it smaller (``passes.quantize.packing_saves``)."""
+    N rows), where packing makes it smaller (``passes.quantize.packed_rows_bytes``)."""
     elements, width = ledger.at(term.elements), ledger.at(term.width)
     rows = 1 if term.item == "all_gather" else ledger.at(N)
     sent = ledger.at(term.moved)

@@ -365,7 +365,10 @@ def shard_parameters(
         **replicas, tensor_parallel=tensor_parallel.get(id(param))))
     records: dict[int, PreparedParam] = {}  # (kept alive here until the modules that own them take them)
     born = born_on_meta(model)
-    device = torch.device(device) if device is not None else default_device(group) if born else None
+    if device is not None:
+        device = torch.device(device)
+    elif born:
+        device = default_device(group)
     if born and device.type != "meta":
         # under tensor parallelism every rank initialises each parameter whole and keeps its tp piece: all alike
         share_random_state([every] if tensor_parallel else synced_over, device)

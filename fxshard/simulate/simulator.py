@@ -90,13 +90,6 @@ class WhatIf:
         return {"all_gather": self.quantize_weights, "reduce_scatter": self.quantize_grads}.get(role)
 
 
-def packed_bytes(full_elements: int, element_size: int, world: int, scheme: str, block: int) -> float:
-    """Bytes of a collective's full buffer packed as ``scheme`` (``passes/quantize.py``: a row per rank), or as it is
-    where packing would not make a row smaller."""
-    packed = packed_rows_bytes(-(-full_elements // world), world, element_size, scheme, block)
-    return full_elements * element_size if packed is None else packed
-
-
 def machine_of(source) -> Machine:
     """The machine a prediction of ``source`` runs on where none is given: a backend's own (``machine=``, the one
     its schedules were chosen on), else the default of its parameters' device (``default_machine``), as for
@@ -192,8 +185,9 @@ def _priced(node: fx.Node, role: str, name: str, world: int, machine: Machine, w
         return collective_seconds(kind, full, ranks, ring), 0.0, 0.0
     value = node.meta.get("val") if role == "all_gather" else node.args[0].meta.get("val")
     elements = size_hint(value.numel())
-    packed = packed_bytes(elements, value.element_size(), ranks, scheme, what_if.quantize_block)
-    if packed == full:
+    # packed a row per rank (passes/quantize.py), where that makes a row smaller
+    packed = packed_rows_bytes(-(-elements // ranks), ranks, value.element_size(), scheme, what_if.quantize_block)
+    if packed is None:
         return collective_seconds(kind, full, ranks, ring), 0.0, 0.0
     # a gather packs this rank's row and unpacks every rank's; a reduction packs and unpacks every rank's rows,
     # exchanged by an all-to-all and summed in fp32
@@ -213,8 +207,7 @@ def simulate_graph(gm: fx.GraphModule, name: str, world: int, machine: Machine, 
     Activation checkpointing (``what_if.recompute``): a forward graph adds each checkpointed module's compute to
     ``recompute``; a backward graph spends it, running the module's forward again on the compute stream right
     before the module's first node, where the collectives in flight hide behind it as behind any compute."""
-    checkpointed = what_if.checkpointed if what_if is not None and what_if.recompute and recompute is not None \
-        else None
+    checkpointed = what_if.checkpointed if what_if and what_if.recompute and recompute is not None else None
     forward = name.endswith("forward")
     compute_at = comm_at = start
     busy_compute = busy_comm = 0.0
