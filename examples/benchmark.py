@@ -7,7 +7,7 @@
 Compile time against depth (the first step: Dynamo, AOT, fxshard's passes, Inductor), side by side with DDP +
 torch.compile, in the warm-up column:
 
-    python examples/benchmark.py --layers 24 --d-model 64 --warmup 1 --steps 3 --skip-exposed \
+    python examples/benchmark.py --layers 24 --d-model 64 --warmup 1 --steps 3 --skip-exposed --fresh-compile-cache \
         --configs ddp+compile,fxshard-0-prefetch,fxshard-3-prefetch
 
 Every configuration trains the same GPT (examples/models.py, ~3.7M parameters) from the same initial weights on the
@@ -402,7 +402,10 @@ def launch(name: str, no_comm: bool, args, out_dir: str) -> list[dict]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(worker, args=(args.world_size, port, name, no_comm, args, out_dir), nprocs=args.world_size)
+    with tempfile.TemporaryDirectory() as cache:
+        if args.fresh_compile_cache:  # inherited by the spawned ranks
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        mp.spawn(worker, args=(args.world_size, port, name, no_comm, args, out_dir), nprocs=args.world_size)
     return json.loads(pathlib.Path(out_dir, f"{name}-{no_comm}.json").read_text())
 
 
@@ -493,6 +496,10 @@ def main() -> int:
     parser.add_argument("--compiler", choices=fxshard.api.COMPILERS, default=fxshard.api.DEFAULT_COMPILER,
                         help="fxshard's compiler (default: fxshard's, inductor); FSDP2+compile uses aot_eager with "
                         "eager, inductor with inductor")
+    parser.add_argument("--fresh-compile-cache", action="store_true",
+                        help="each configuration compiles with an empty Inductor cache of its own (compiled graphs, "
+                             "C++ kernels), as on a machine that never compiled the model: the warm-up column is then "
+                             "the whole compile time, not a read of what an earlier run left on disk")
     parser.add_argument("--skip-exposed", action="store_true",
                         help="skip the runs without communication (halves the time; exposed comm shows n/a)")
     parser.add_argument("--trace", metavar="DIR", help="write each configuration's profiled step as a Chrome trace "

@@ -43,10 +43,10 @@ __all__ = [
     "fake_store",
     "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS", "gloo_threads", "gloo_with_options", "graph_root",
     "inductor_backward", "inductor_compiler_config", "inductor_decompositions", "inductor_forward",
-    "inductor_partition", "inductor_virtualized", "intercept_conversions", "is_backend_registered",
+    "inductor_partition", "inductor_segment", "inductor_virtualized", "intercept_conversions", "is_backend_registered",
     "is_persistent_buffer", "LocalSource", "min_cut_rematerialization_partition", "model_outputs",
     "name_parameter_source", "op_arguments", "op_name", "OpOverload", "own_buffers", "own_parameters",
-    "profiled_item_size", "profiled_ops", "ProfiledOp", "raised_inside_torch", "register_log", "resolve_group",
+    "profiled_item_size", "profiled_ops", "ProfiledOp", "raised_inside_torch", "register_log", "report_output_strides", "resolve_group",
     "SavedForBackwardsAOTOutput", "ShortenTraceback", "strided_shard", "tensor_version", "TensorProperty",
     "TensorPropertySource", "total_norm_from", "trace_log", "trace_structured", "traced_size", "tree_flatten",
     "tree_map", "view_base",
@@ -115,6 +115,34 @@ def inductor_partition(joint: torch.fx.GraphModule, joint_inputs, **kwargs):
     from torch._inductor import compile_fx
 
     return compile_fx.partition_fn(joint, joint_inputs, **kwargs)
+
+
+def inductor_segment(gm: torch.fx.GraphModule, example_inputs, *, backward: bool):
+    """One segment of a forward or backward graph compiled by Inductor's per-graph entry point, every output keeping
+    the strides its example value has (the next segment was compiled for them), without cudagraphs (a segment's
+    inputs come from eager collectives). The strides Inductor reports for AOT autograd are the whole graph's, set by
+    ``report_output_strides``, not a segment's."""
+    from torch._guards import TracingContext
+    from torch._inductor import compile_fx
+    from torch._inductor.utils import BoxedBool
+
+    output = gm.graph.output_node()
+    output.meta["user_visible_output_idxs"] = list(range(len(output.args[0])))
+    with TracingContext.report_output_strides():
+        return compile_fx.compile_fx_inner(gm, example_inputs, is_backward=backward, cudagraphs=BoxedBool(False))
+
+
+def report_output_strides(gm: torch.fx.GraphModule) -> None:
+    """Tell AOT autograd the strides of a compiled graph's outputs (it restrides the saved activations it hands the
+    backward by them), as Inductor does for a graph it compiled whole: here, each output's example value's."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    if context is None or context.output_strides is None:
+        return
+    values = [node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+              for node in gm.graph.output_node().args[0]]
+    context.output_strides.extend(v.stride() if isinstance(v, torch.Tensor) else None for v in values)
 
 
 def inductor_backward(gm, example_inputs, *, config):

@@ -40,11 +40,38 @@ def build_model(name: str) -> torch.nn.Module:
         return MLP(d_in=7, d_hidden=11, d_out=5)
     if name == "mlp_temperature":  # the uneven MLP and a 0-d parameter
         return MLPWithTemperature()
+    if name == "mlp_stack":
+        return ResidualStack()
     if name == "gpt_checkpointed":  # activation checkpointing: each block recomputed in backward
         model = GPT(GPTConfig())
         model.blocks = torch.nn.ModuleList(CheckpointedBlock(block) for block in model.blocks)
         return model
     raise ValueError(name)
+
+
+class ResidualBlock(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, 2 * width)
+        self.fc2 = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class ResidualStack(torch.nn.Module):
+    """Five identical residual blocks between an input and an output layer: small, and repeated enough that the
+    middle blocks' segments of a stage-3 graph repeat (``fxshard.compiler.segments``)."""
+
+    def __init__(self, width: int = 8, depth: int = 5):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(ResidualBlock(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 
 class CheckpointedBlock(torch.nn.Module):
@@ -91,7 +118,7 @@ def loss_of(model_name: str, model, batch) -> torch.Tensor:
 def train_against_reference(
     model_name: str, optimizer: str, steps: int = 5, compiled: bool = True, compiler: str = "eager", stage: int = 3,
     clip: float | None = None, compile_step: bool = False, device: str = "cpu", mesh_shape: tuple | None = None,
-    halve_lr_each_step: bool = False, clip_with: str = "backend",
+    halve_lr_each_step: bool = False, clip_with: str = "backend", regional: bool = True,
 ) -> dict:
     """Train a prepared model (this rank's slice of each global batch) beside a single-process reference that
     sees the whole global batch; return both models' full parameters before and after, the graphs compiled and
@@ -101,7 +128,9 @@ def train_against_reference(
     ``mesh_shape``: (replicas, shards) of a hybrid-sharding mesh over every rank.
     ``halve_lr_each_step``: both optimizers get an LR scheduler, the prepared one's built before prepare.
     ``clip_with``: ``"backend"`` clips with ``backend.clip_grad_norm_``, ``"torch"`` with torch's own function over
-    ``model.parameters()``, as a script written for DDP does."""
+    ``model.parameters()``, as a script written for DDP does. ``regional``: the backend's option (Inductor compiles
+    each repeated segment once); ``"segments"`` says per graph kind (segments, distinct), (0, 0) where compiled
+    whole."""
     from fxshard.report.measure import CollectiveCounter
 
     rank, world = rank_and_world()
@@ -109,7 +138,7 @@ def train_against_reference(
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     reference_opt = make_optimizer(optimizer, reference.parameters())
-    backend = fxshard.backend(stage=stage, compiler=compiler, mesh=hybrid_mesh(mesh_shape, device))
+    backend = fxshard.backend(stage=stage, compiler=compiler, mesh=hybrid_mesh(mesh_shape, device), regional=regional)
     users_opt = make_optimizer(optimizer, model.parameters())
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5**step)
                   for o in (users_opt, reference_opt) if halve_lr_each_step]
@@ -142,6 +171,8 @@ def train_against_reference(
         "final": full_state(model),
         "expected": reference.state_dict(),
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
+        "segments": {r.kind: (len(r.compiled_as.segments), r.compiled_as.distinct) for r in backend.graphs
+                     if r.compiled_as is not None},
         "collectives": counter.totals(),
         "world_size": world,
         "state_bytes": state_bytes(model, opt, grads_after_backward),
@@ -333,6 +364,8 @@ def accumulate_against_reference(stage: int, micro_batches: int = 3, steps: int 
         "final": full_state(model),
         "expected": reference.state_dict(),
         "compiled_graphs": sorted({(r.graph_id, r.kind) for r in backend.graphs}),
+        "segments": {r.kind: (len(r.compiled_as.segments), r.compiled_as.distinct) for r in backend.graphs
+                     if r.compiled_as is not None},
         "collectives": counter.totals(),
     }
 

@@ -29,6 +29,11 @@ def test_unknown_compiler():
         fxshard.backend(stage=3, compiler="tvm")
 
 
+def test_regional_is_a_bool():
+    with pytest.raises(fxshard.FxShardError, match=r"regional must be True .* or False .*, got 'yes'"):
+        fxshard.backend(stage=3, regional="yes")
+
+
 @pytest.mark.parametrize("options, message", [
     ({"prefech": 2}, r"unknown backend option\(s\) \['prefech'\]; the options are .*prefetch"),
     ({"bucket": "model"}, 'bucket must be "layer", "block", "auto" or a positive byte cap, got .model.'),

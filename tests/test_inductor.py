@@ -33,6 +33,8 @@ def test_inductor_compiled_mlp_matches_single_process(pools):
     for result in pools(2).run(train_with_inductor, "mlp"):
         assert_matches_reference(result, "sgd")
         assert result["compiled_graphs"] == [(0, "backward"), (0, "forward"), (0, "joint")]
+        # its two layers' segments differ: nothing to reuse, so each graph is compiled whole
+        assert result["segments"] == {"forward": (0, 0), "backward": (0, 0)}
         # One generated module per graph, forward first (AOT compiles the backward at the first backward call):
         # the forward gathers, the backward re-gathers and reduce-scatters (on gloo: all-to-alls, then a sum), and
         # every collective is waited on.
@@ -95,3 +97,22 @@ def test_inductor_compiles_int8_packing_and_trains_as_the_graphs_run_op_by_op(po
         assert inductor["generated_modules"] == 2  # Inductor compiled forward and backward, packing inside them
         # Inductor fuses the packing into its neighbours; the values it packs and unpacks are the op-by-op ones
         assert inductor["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+
+
+def test_inductor_compiles_each_repeated_segment_once_and_trains_like_a_single_process(pools):
+    # Five identical residual blocks at stage 3: the compute between one block's collectives and the next's repeats,
+    # so each graph runs as segments between its collectives, a repeated segment compiled once
+    pool = pools(2)
+    regional = pool.run(scenarios.train_against_reference, "mlp_stack", "sgd", STEPS, compiler="inductor")
+    whole = pool.run(scenarios.train_against_reference, "mlp_stack", "sgd", STEPS, compiler="inductor",
+                     regional=False)
+    for segmented, compiled_whole in zip(regional, whole, strict=True):
+        assert_matches_reference(segmented, "sgd")
+        for kind in ("forward", "backward"):
+            segments, distinct = segmented["segments"][kind]
+            assert 0 < distinct < segments, kind
+            assert compiled_whole["segments"][kind] == (0, 0), kind
+        # the same training as the graph compiled whole
+        for name, value in compiled_whole["final"].items():
+            torch.testing.assert_close(segmented["final"][name], value, rtol=1e-5, atol=1e-6)
+

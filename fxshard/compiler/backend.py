@@ -151,6 +151,7 @@ class Backend:
         mesh=None,
         passes: Sequence[Pass] | None = None,
         compiler: str = DEFAULT_COMPILER,
+        regional: bool = True,
         machine: Machine | None = None,
         **knobs,
     ):
@@ -158,6 +159,9 @@ class Backend:
             raise FxShardError(f"stage must be one of 0, 1, 2, 3 (ZeRO stage), got {stage!r}")
         if compiler not in COMPILERS:
             raise FxShardError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        if not isinstance(regional, bool):
+            raise FxShardError(f"regional must be True (compile each repeated segment once) or False (compile each "
+                               f"graph whole), got {regional!r}")
         if mesh is not None:
             check_mesh(mesh, group)
         if machine is not None and not isinstance(machine, Machine):
@@ -170,6 +174,7 @@ class Backend:
         check_stage_knobs(self.knobs, stage)
         self.passes = list(default_passes() if passes is None else passes)
         self.compiler = compiler
+        self.regional = regional
         self.model: nn.Module | None = None  # what prepare laid out, for the report and the budget
         self.optimizer: torch.optim.Optimizer | None = None
         self.graphs: list[GraphRecord] = []
@@ -297,7 +302,7 @@ class Backend:
         published = annotate_optimizer_graph(gm, example_inputs)
         if gm.meta["fxshard_optimizer"]:  # a compiled optimizer.step: rewritten before AOT sees it
             gm, _ = self._run(context, graph_id, "optimizer", gm)
-        inductor = InductorCompiler(gm, example_inputs) if self.compiler == "inductor" else None
+        inductor = InductorCompiler(gm, example_inputs, self.regional) if self.compiler == "inductor" else None
         compile_graph = functools.partial(self._compile_graph, context, graph_id, inductor)
         with inductor.around_aot() if inductor else contextlib.nullcontext(), _torch_recursion_explained():
             compiled = aot_module_simplified(
@@ -395,7 +400,11 @@ class Backend:
 
     def _compile_graph(self, context, graph_id, inductor: InductorCompiler | None, kind, gm: fx.GraphModule, example_inputs):
         gm, record = self._run(context, graph_id, kind, gm, tune=True)
-        compiled = inductor.compile(kind, gm, example_inputs) if inductor else boxed_freeing_inputs(gm)
+        if inductor:
+            with record.timing_compiler():
+                compiled, record.compiled_as = inductor.compile(kind, gm, example_inputs)
+        else:
+            compiled = boxed_freeing_inputs(gm)
         # Before the graph first runs, every rank must have compiled the same collectives (fxshard.compiler.consistency).
         with record.timing(CONSISTENCY):
             check_same_schedule(gm, kind, graph_id, self._check_group_name or context.group_name)

@@ -10,9 +10,13 @@ from fxshard.torch_compat import (
     inductor_decompositions,
     inductor_forward,
     inductor_partition,
+    inductor_segment,
     inductor_virtualized,
     model_outputs,
+    report_output_strides,
 )
+
+from .segments import SegmentPlan, plan_segments, segmented_callable
 
 
 class InductorCompiler:
@@ -25,7 +29,8 @@ class InductorCompiler:
     Inductor's own forward and backward wrappers set those from facts about the Dynamo graph, shared by both.
     """
 
-    def __init__(self, dynamo_gm: fx.GraphModule, example_inputs):
+    def __init__(self, dynamo_gm: fx.GraphModule, example_inputs, regional: bool = True):
+        self.regional = regional
         self.decompositions = inductor_decompositions()
         self._config = inductor_compiler_config(dynamo_gm)
         self._num_outputs = model_outputs(dynamo_gm)
@@ -43,7 +48,23 @@ class InductorCompiler:
         without them a random op (dropout) reaches Inductor's lowering unreplaced and the compile fails."""
         return inductor_partition(joint, joint_inputs, **kwargs)
 
-    def compile(self, kind: str, gm: fx.GraphModule, example_inputs):
+    def compile(self, kind: str, gm: fx.GraphModule, example_inputs) -> tuple:
+        """``gm`` compiled, and the plan it was compiled by: a segment at a time, each distinct segment once
+        (``fxshard.compiler.segments``), or whole (``regional=False``, an inference graph, or where the plan says)."""
+        if not self.regional:
+            plan = SegmentPlan([], "regional=False")
+        elif kind == "inference":
+            plan = SegmentPlan([], "an inference graph")
+        else:
+            plan = plan_segments(gm)
+        if plan.whole_because:
+            return self._compile_whole(kind, gm, example_inputs), plan
+        compiled = segmented_callable(gm, plan, lambda segment, example: inductor_segment(
+            segment, example, backward=kind == "backward"))
+        report_output_strides(gm)
+        return compiled, plan
+
+    def _compile_whole(self, kind: str, gm: fx.GraphModule, example_inputs):
         if kind == "backward":
             return inductor_backward(gm, example_inputs, config=self._config)
         return inductor_forward(gm, example_inputs, model_outputs=self._num_outputs, model_inputs=self._num_inputs,

@@ -14,6 +14,8 @@ from fxshard.passes import PassContext
 from fxshard.passes.trial import Pass, copied_graph
 from fxshard.report.trace import trace_pass
 
+from .segments import SegmentPlan
+
 
 class _Snapshot:
     """A copy of a graph as it stood after a pass, made a GraphModule when first read: building one generates and
@@ -61,6 +63,16 @@ class GraphRecord:
     passes: list[PassRecord] = dataclasses.field(default_factory=list)
     final: fx.GraphModule | None = None
     seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    compiled_as: SegmentPlan | None = None  # how Inductor compiled the final graph (None: the eager compiler)
+    compiler_seconds: float = 0.0  # what the compiler (Inductor) took over the final graph
+
+    @contextlib.contextmanager
+    def timing_compiler(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.compiler_seconds += time.perf_counter() - start
 
     @contextlib.contextmanager
     def timing(self, phase: str):

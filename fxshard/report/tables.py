@@ -53,7 +53,8 @@ def collective_report(records) -> str:
 
 def compile_time_report(records) -> str:
     """fxshard's own share of compile time, by phase (each pass, the pass history, autotune trials, the consistency
-    check) summed over the rewritten graphs, largest first; "" before any graph."""
+    check) summed over the rewritten graphs, largest first; then what Inductor took over each final graph and how it
+    compiled it (whole, or a segment at a time); "" before any graph."""
     seconds = collections.Counter()
     for record in records:
         seconds.update(record.seconds)
@@ -61,8 +62,13 @@ def compile_time_report(records) -> str:
         return ""
     graphs = sum(1 for record in records if record.seconds)
     rows = [(phase, f"{value:.3f}") for phase, value in seconds.most_common()]
-    return (f"fxshard's compile time: {sum(seconds.values()):.2f} s over {graphs} graphs (Dynamo, AOT autograd and "
+    text = (f"fxshard's compile time: {sum(seconds.values()):.2f} s over {graphs} graphs (Dynamo, AOT autograd and "
             "the compiler not included)\n" + tabulate(rows, headers=["phase", "seconds"]))
+    compiled = [record for record in records if record.compiled_as is not None]
+    if compiled:
+        text += "\n" + "\n".join(f"Inductor, graph {r.graph_id} {r.kind}: {r.compiler_seconds:.2f} s, "
+                                  f"{r.compiled_as.describe()}" for r in compiled)
+    return text
 
 
 def _per_step(measured) -> dict[str, int] | None:
