@@ -41,7 +41,7 @@ def _option_values(backend: Backend) -> dict:
     """Every option of ``backend`` by its ``fxshard.backend`` keyword (knobs it was not given: their defaults)."""
     defaults = {f.name: f.default for f in dataclasses.fields(PassContext) if f.name in KNOBS}
     return {"stage": backend.stage, "group": backend.group, "mesh": backend.mesh, "passes": backend.passes,
-            "compiler": backend.compiler, "machine": backend.machine,
+            "compiler": backend.compiler, "regional": backend.regional, "machine": backend.machine,
             **defaults, **backend.knobs}
 
 

@@ -97,13 +97,44 @@ def fxshard_meta(node: fx.Node) -> dict:
 
 
 def refresh_fake_values(gm: fx.GraphModule) -> None:
-    """Recompute ``meta["val"]`` of every node from the placeholders' fake values (new nodes lack them)."""
+    """Give every node a correct ``meta["val"]``, from the placeholders' fake values: a node without one (a new node)
+    is computed, and so is a node reading one whose value changed shape, strides, offset or dtype; every other node
+    keeps its value (recomputing them all costs as much as the rest of a pass). A pass that changes what an
+    existing node computes drops that node's ``meta["val"]`` first."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     values = [p.meta.get("val") for p in placeholders]
     fake_mode = detect_fake_mode(values)
     if fake_mode is None or any(v is None for v in values):
         return
-    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*values)
+    _MissingValues(gm, mode=fake_mode).propagate_dont_convert_inputs(*values)
+
+
+class _MissingValues(FakeTensorProp):
+    """Fake propagation that recomputes only the nodes ``refresh_fake_values`` names."""
+
+    def __init__(self, gm: fx.GraphModule, mode):
+        super().__init__(gm, mode=mode)
+        self._changed: set[fx.Node] = set()
+
+    def run_node(self, node: fx.Node):
+        kept = node.meta.get("val")
+        stale = kept is None or any(i in self._changed for i in node.all_input_nodes)
+        if node.op in ("placeholder", "output") or stale:
+            value = super().run_node(node)
+            if node.op != "output" and (kept is None or _layout(kept) != _layout(node.meta.get("val"))):
+                self._changed.add(node)
+            return value
+        return kept
+
+
+def _layout(value):
+    """What a fake value's readers depend on, as text (comparing symbolic sizes themselves would add guards)."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(map(str, value.shape)), tuple(map(str, value.stride())), str(value.storage_offset()),
+                value.dtype, value.device)
+    if isinstance(value, (list, tuple)):
+        return tuple(_layout(v) for v in value)
+    return str(value)
 
 
 def position(graph: fx.Graph) -> dict[fx.Node, int]:

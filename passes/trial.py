@@ -27,9 +27,29 @@ def copied_graph(gm: fx.GraphModule) -> fx.Graph:
     return graph
 
 
+def copied_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A module over a copy of ``gm``'s graph (``copied_graph``), as ``module_over`` makes it."""
+    return module_over(gm, copied_graph(gm), gm.meta)
+
+
+def module_over(root: fx.GraphModule, graph: fx.Graph, meta: dict) -> fx.GraphModule:
+    """A module running ``graph`` with ``meta``'s entries and ``root``'s attributes: those the graph reads, and
+    ``root``'s own parameters and buffers that no node reads yet (a pass may read them: ``shard_optimizer_pass``
+    publishes into buffers the backend registered)."""
+    module = fx.GraphModule(root, graph)
+    module.meta.update(meta)
+    for name, buffer in root.named_buffers(recurse=False):
+        if name not in module._buffers:
+            module.register_buffer(name, buffer)
+    for name, parameter in root.named_parameters(recurse=False):
+        if name not in module._parameters:
+            module.register_parameter(name, parameter)
+    return module
+
+
 def trial_run(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> fx.GraphModule:
     """``passes`` over a copy of ``gm``, recorded nowhere: what the pipeline would make of it under ``ctx``."""
-    trial = fx.GraphModule(gm, copied_graph(gm))
+    trial = copied_module(gm)
     for pass_fn in passes:
         trial = pass_fn(trial, ctx)
     return trial

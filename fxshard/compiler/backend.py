@@ -386,7 +386,7 @@ class Backend:
         if kind in ("forward", "inference"):
             self._chosen_weights[graph_id] = context.quantize_weights
         self.graphs.append(record)
-        gm = run_passes(gm, context, self.passes, record)
+        gm = run_passes(gm, context, self.passes, record, result=autotune.chosen_graph(choice, context))
         if choice is not None:
             gm.meta["fxshard_choice"] = choice
             trace_choice(kind, graph_id, choice)

@@ -21,7 +21,7 @@ def checked_knobs(knobs: dict) -> dict:
     unknown = sorted(set(knobs) - set(KNOBS))
     if unknown:
         raise FxShardError(f"unknown backend option(s) {unknown}; the options are stage, group, mesh, passes, "
-                           f"compiler, machine, {', '.join(KNOBS)} (see fxshard.passes.PassContext)")
+                           f"compiler, regional, machine, {', '.join(KNOBS)} (see fxshard.passes.PassContext)")
     bucket = knobs.get("bucket", "auto")  # absent: the stage's default, a valid one
     if not (bucket in BUCKETS or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket > 0)):
         raise FxShardError(f'bucket must be "layer", "block", "auto" or a positive byte cap, got {bucket!r}')

@@ -50,11 +50,16 @@ def _code(gm: fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=True, include_device=True)
 
 
+def tracing_passes() -> bool:
+    """Whether ``trace_pass`` records anything (``TORCH_TRACE`` or ``TORCH_LOGS="fxshard"``)."""
+    return bool(trace_log.handlers) or log.isEnabledFor(logging.INFO)
+
+
 def trace_pass(kind: str, graph_id: int, index: int, pass_name: str, gm: fx.GraphModule) -> None:
     """Record ``gm`` as it stands after pass number ``index`` (``pass_name``) of graph ``graph_id`` of ``kind``."""
-    tracing, logging_info = bool(trace_log.handlers), log.isEnabledFor(logging.INFO)
-    if not (tracing or logging_info):
+    if not tracing_passes():
         return
+    tracing, logging_info = bool(trace_log.handlers), log.isEnabledFor(logging.INFO)
     records = decisions(gm)
     name = f"fxshard_{kind}_{index}_{pass_name}"
     if tracing:

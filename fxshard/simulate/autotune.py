@@ -89,6 +89,15 @@ def choose(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass]) -> tupl
                              "chosen": chosen}
 
 
+def chosen_graph(choice: dict | None, ctx: PassContext) -> fx.GraphModule | None:
+    """The graph the chosen candidate's trial made, where that trial ran under ``ctx`` itself: what the pipeline
+    would make of the graph again. Trials run without ``memory_budget`` (``budget_pass`` refuses none of them), so
+    under a budget the pipeline runs again and enforces it."""
+    if choice is None or ctx.memory_budget is not None:
+        return None
+    return choice["candidates"][choice["chosen"]]["graph"]
+
+
 def describe_choices(records) -> str:
     """For each graph whose knobs were chosen (``gm.meta["fxshard_choice"]``), every candidate with its predicted
     time and memory, the chosen one marked; "" when no graph had a choice."""
