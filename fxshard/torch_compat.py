@@ -40,14 +40,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 __all__ = [
     "after_grad_scaler_inf_check", "aot_module_simplified", "boxed_freeing_inputs", "c10d_functional",
     "child_modules", "concatenate_meshes", "ConstantSource", "dcp_flat_keys", "default_store", "detect_fake_mode",
-    "fake_store",
-    "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS", "gloo_threads", "gloo_with_options", "graph_root",
-    "inductor_backward", "inductor_compiler_config", "inductor_decompositions", "inductor_forward",
-    "inductor_partition", "inductor_segment", "inductor_virtualized", "intercept_conversions", "is_backend_registered",
-    "is_persistent_buffer", "LocalSource", "min_cut_rematerialization_partition", "model_outputs",
-    "name_parameter_source", "op_arguments", "op_name", "OpOverload", "own_buffers", "own_parameters",
-    "profiled_item_size", "profiled_ops", "ProfiledOp", "raised_inside_torch", "register_log", "report_output_strides", "resolve_group",
-    "SavedForBackwardsAOTOutput", "ShortenTraceback", "strided_shard", "tensor_version", "TensorProperty",
+    "fake_store", "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS", "gloo_threads", "gloo_with_options",
+    "graph_root", "inductor_backward", "inductor_compiler_config", "inductor_decompositions", "inductor_forward",
+    "inductor_partition", "inductor_segment", "inductor_virtualized", "intercept_conversions",
+    "is_backend_registered", "is_persistent_buffer", "lazy_graph_module", "LocalSource",
+    "min_cut_rematerialization_partition", "model_outputs", "name_parameter_source", "op_arguments", "op_name",
+    "OpOverload", "own_buffers", "own_parameters", "profiled_item_size", "profiled_ops", "ProfiledOp",
+    "raised_inside_torch", "register_log", "report_output_strides", "resolve_group", "SavedForBackwardsAOTOutput",
+    "ShortenTraceback", "strided_shard", "taking_boxed_inputs", "tensor_version", "TensorProperty",
     "TensorPropertySource", "total_norm_from", "trace_log", "trace_structured", "traced_size", "tree_flatten",
     "tree_map", "view_base",
 ]
@@ -115,6 +115,15 @@ def inductor_partition(joint: torch.fx.GraphModule, joint_inputs, **kwargs):
     from torch._inductor import compile_fx
 
     return compile_fx.partition_fn(joint, joint_inputs, **kwargs)
+
+
+def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule that generates its Python code when first run or read (``.code``), not when built or
+    recompiled (``torch.fx._lazy_graph_module``, private, on 2.11 to 2.15; what Dynamo and AOT autograd hand
+    backends): a copy the passes rewrite and nobody runs costs no code generation."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)
 
 
 def inductor_segment(gm: torch.fx.GraphModule, example_inputs, *, backward: bool):
@@ -406,5 +415,11 @@ def boxed_freeing_inputs(gm: torch.fx.GraphModule):
     def run(args: list):
         return boxed(args)
 
-    run._boxed_call = True
-    return run
+    return taking_boxed_inputs(run)
+
+
+def taking_boxed_inputs(compiled):
+    """Mark ``compiled`` as a compiled graph that takes its inputs as one list and empties it, as AOT autograd calls
+    Inductor's graphs (``_boxed_call``): AOT then hands it the list and drops its own references."""
+    compiled._boxed_call = True
+    return compiled

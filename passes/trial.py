@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 
 from torch import fx
 
+from fxshard.torch_compat import lazy_graph_module
+
 from .context import PassContext
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
@@ -36,13 +38,13 @@ def module_over(root: fx.GraphModule, graph: fx.Graph, meta: dict) -> fx.GraphMo
     """A module running ``graph`` with ``meta``'s entries and ``root``'s attributes: those the graph reads, and
     ``root``'s own parameters and buffers that no node reads yet (a pass may read them: ``shard_optimizer_pass``
     publishes into buffers the backend registered)."""
-    module = fx.GraphModule(root, graph)
+    module = lazy_graph_module(root, graph)  # its code generated when first run or read
     module.meta.update(meta)
     for name, buffer in root.named_buffers(recurse=False):
-        if name not in module._buffers:
+        if not hasattr(module, name):
             module.register_buffer(name, buffer)
     for name, parameter in root.named_parameters(recurse=False):
-        if name not in module._parameters:
+        if not hasattr(module, name):
             module.register_parameter(name, parameter)
     return module
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 from fxshard.runtime.collectives import WAIT, is_any_collective
-from fxshard.torch_compat import tree_map
+from fxshard.torch_compat import taking_boxed_inputs, tree_map
 
 CompileSegment = Callable[[fx.GraphModule, list], Callable]  # (segment module, example inputs) -> boxed callable
 
@@ -160,8 +160,7 @@ def plan_segments(gm: fx.GraphModule) -> SegmentPlan:
     segments = [step for step in steps if isinstance(step, Segment)]
     if len({s.key for s in segments}) == len(segments):
         return SegmentPlan([], "no segment between its collectives repeats")
-    leaves = (v for s in segments for i in s.inputs for v in [i.meta["val"]])
-    if any(not isinstance(v, torch.Tensor) for v in leaves):
+    if any(not isinstance(node.meta["val"], torch.Tensor) for s in segments for node in s.inputs):
         return SegmentPlan([], "a segment reads a value that is not a tensor")
     return SegmentPlan(steps)
 
@@ -238,5 +237,4 @@ def segmented_callable(gm: fx.GraphModule, plan: SegmentPlan, compile_segment: C
                 values[s] = value
         return tree_map(lambda a: values[a.index] if isinstance(a, _Slot) else a, result)
 
-    run._boxed_call = True
-    return run
+    return taking_boxed_inputs(run)
