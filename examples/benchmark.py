@@ -111,6 +111,9 @@ CONFIGS = [
     # stage 0 all-reduces per module instead of its default DDP-sized buckets (25 MiB)
     Config("fxshard-0-layer-buckets", "fxshard", compiled=True, stage=0, options={"bucket": "layer"}),
     Config("fxshard-3-prefetch-users-group", "fxshard", compiled=True, stage=3, on_users_gloo_group=True),
+    # every graph compiled whole by Inductor instead of a repeated segment once (regional=False)
+    *(Config(f"fxshard-{stage}-whole", "fxshard", compiled=True, stage=stage, options={"regional": False})
+      for stage in (0, 3)),
     # the default knobs run op by op whatever --compiler says, to compare both compilers in one invocation
     *(Config(f"fxshard-{stage}-eager", "fxshard", compiled=True, stage=stage, options={"compiler": "eager"})
       for stage in fxshard.api.STAGES),
