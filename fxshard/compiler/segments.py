@@ -9,8 +9,9 @@ once, and the one compiled function runs for each of them. The collectives and w
 the graph's order, as the compiled whole graph runs them; the values between steps are dropped after their last
 reader, and each segment takes its inputs boxed, so Inductor frees them inside it as in a whole graph.
 
-Where too little repeats (``MOST_DISTINCT``), or a graph's shapes are symbolic (``dynamic=True``: a segment's sizes would depend on
-symbols only the whole graph binds), the graph is compiled whole; ``SegmentPlan.whole_because`` says why.
+Where too little repeats (``MOST_DISTINCT``), or a graph's shapes are symbolic (``dynamic=True``: a segment's sizes
+would depend on symbols only the whole graph binds), the graph is compiled whole; ``SegmentPlan.whole_because`` says
+why.
 """
 
 from __future__ import annotations
