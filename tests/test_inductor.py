@@ -99,16 +99,13 @@ def test_inductor_compiles_int8_packing_and_trains_as_the_graphs_run_op_by_op(po
         assert inductor["losses"] == pytest.approx(eager["losses"], rel=1e-5)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_inductor_compiles_each_repeated_segment_once_and_trains_like_a_single_process(pools, stage):
-    # Sixteen identical residual blocks: at stage 3 the compute between one block's collectives and the next's
-    # repeats; at stage 0 (no collective between blocks) each block's compute does. Each graph runs as segments, a
-    # repeated segment compiled once.
+def test_inductor_compiles_each_repeated_segment_once_and_trains_like_a_single_process(pools):
+    # Sixteen identical residual blocks at stage 3: the compute between one block's collectives and the next's repeats,
+    # so each graph runs as segments between its collectives, a repeated segment compiled once
     pool = pools(2)
-    regional = pool.run(scenarios.train_against_reference, "mlp_stack", "sgd", STEPS, compiler="inductor",
-                        stage=stage)
+    regional = pool.run(scenarios.train_against_reference, "mlp_stack", "sgd", STEPS, compiler="inductor")
     whole = pool.run(scenarios.train_against_reference, "mlp_stack", "sgd", STEPS, compiler="inductor",
-                     stage=stage, regional=False)
+                     regional=False)
     for segmented, compiled_whole in zip(regional, whole, strict=True):
         assert_matches_reference(segmented, "sgd")
         for kind in ("forward", "backward"):

@@ -49,20 +49,6 @@ def test_a_stage_3_gpt_runs_as_segments_between_collectives_and_its_middle_block
         assert plan.distinct < len(plan.segments), kind
 
 
-def test_stage_0_has_no_collective_between_blocks_so_its_graphs_are_cut_between_the_blocks():
-    blocks = tuple(f"blocks.{i}" for i in range(CONFIG.n_layer))
-    for kind, gm in gpt_graphs(stage=0).items():
-        assert plan_segments(gm).whole_because, kind  # one all-reduce at most: nothing repeats between collectives
-        plan = plan_segments(gm, blocks)
-        assert not plan.whole_because and plan.cut_at == "its collectives and blocks", kind
-        assert plan.distinct < len(plan.segments) / 2, kind
-        # each block's compute is a segment of its own, in the graph's order (backward: last block first)
-        order = [s.block for s in plan.segments if s.block is not None]
-        first_seen = list(dict.fromkeys(order))
-        assert sorted(first_seen) == sorted(blocks), kind
-        assert first_seen == (list(blocks) if kind == "forward" else list(reversed(blocks))), kind
-
-
 def test_segmented_graph_computes_what_the_whole_graph_computes():
     # the runner (values between steps, freed after their last reader, boxed segments) on real inputs, each
     # segment run op by op: a world of one gloo rank, so the collectives return real values

@@ -302,10 +302,7 @@ class Backend:
         published = annotate_optimizer_graph(gm, example_inputs)
         if gm.meta["fxshard_optimizer"]:  # a compiled optimizer.step: rewritten before AOT sees it
             gm, _ = self._run(context, graph_id, "optimizer", gm)
-        inductor = None
-        if self.compiler == "inductor":
-            repeated = tuple(b for b in repeated_blocks(self.model) if b) if self.model is not None else ()
-            inductor = InductorCompiler(gm, example_inputs, self.regional, repeated)
+        inductor = InductorCompiler(gm, example_inputs, self.regional) if self.compiler == "inductor" else None
         compile_graph = functools.partial(self._compile_graph, context, graph_id, inductor)
         with inductor.around_aot() if inductor else contextlib.nullcontext(), _torch_recursion_explained():
             compiled = aot_module_simplified(

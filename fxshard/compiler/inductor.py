@@ -29,8 +29,8 @@ class InductorCompiler:
     Inductor's own forward and backward wrappers set those from facts about the Dynamo graph, shared by both.
     """
 
-    def __init__(self, dynamo_gm: fx.GraphModule, example_inputs, regional: bool = True, blocks: tuple[str, ...] = ()):
-        self.regional, self.blocks = regional, blocks
+    def __init__(self, dynamo_gm: fx.GraphModule, example_inputs, regional: bool = True):
+        self.regional = regional
         self.decompositions = inductor_decompositions()
         self._config = inductor_compiler_config(dynamo_gm)
         self._num_outputs = model_outputs(dynamo_gm)
@@ -56,7 +56,7 @@ class InductorCompiler:
         elif kind == "inference":
             plan = SegmentPlan([], "an inference graph")
         else:
-            plan = plan_segments(gm, self.blocks)
+            plan = plan_segments(gm)
         if plan.whole_because:
             return self._compile_whole(kind, gm, example_inputs), plan
         compiled = segmented_callable(gm, plan, lambda segment, example: inductor_segment(

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import fx
+
 from fxshard.runtime.collectives import WAIT, is_any_collective
-from fxshard.simulate.simulator import module_of
 from fxshard.torch_compat import taking_boxed_inputs, tree_map
 
 # A graph is cut only where at least half its segments reuse another's compile: each cut costs the fusion Inductor
@@ -50,7 +50,6 @@ class Segment:
     values they read from before (``inputs``) and those read after them (``outputs``)."""
 
     nodes: list[fx.Node]
-    block: str | None = None  # the repeated block its compute belongs to, where the split was asked to tell them apart
     inputs: list[fx.Node] = dataclasses.field(default_factory=list)
     outputs: list[fx.Node] = dataclasses.field(default_factory=list)
     key: tuple = ()
@@ -59,10 +58,9 @@ class Segment:
 Step = Segment | fx.Node  # a segment, or one node that runs between segments
 
 
-def split_at_collectives(graph: fx.Graph, blocks: Sequence[str] = ()) -> list[Step]:
+def split_at_collectives(graph: fx.Graph) -> list[Step]:
     """The graph's call nodes as steps in graph order: each collective and wait alone, and the compute between
-    them as segments with their inputs, outputs and keys filled in. With ``blocks`` (the module names of the model's
-    repeated blocks), a segment also ends where the compute passes from one block to another."""
+    them as segments with their inputs, outputs and keys filled in."""
     steps: list[Step] = []
     segment_of: dict[fx.Node, Segment] = {}
     current: Segment | None = None
@@ -77,13 +75,9 @@ def split_at_collectives(graph: fx.Graph, blocks: Sequence[str] = ()) -> list[St
         if isinstance(source, fx.Node) and source in segment_of:  # a tuple's element stays with the tuple
             owner = segment_of[source]
         else:
-            block = _block_of(node, blocks)
-            if current is not None and None not in (block, current.block) and block != current.block:
-                current = None
             if current is None:
                 current = Segment([])
                 steps.append(current)
-            current.block = current.block or block
             owner = current
         owner.nodes.append(node)
         segment_of[node] = owner
@@ -93,13 +87,6 @@ def split_at_collectives(graph: fx.Graph, blocks: Sequence[str] = ()) -> list[St
         segment.outputs = [n for n in segment.nodes if any(user not in inside for user in n.users)]
         segment.key = segment_key(segment)
     return steps
-
-
-def _block_of(node: fx.Node, blocks: Sequence[str]) -> str | None:
-    """The innermost of ``blocks`` whose forward traced ``node`` (a backward node: the one it differentiates)."""
-    module = module_of(node) if blocks else ""
-    inside = [block for block in blocks if module == block or module.startswith(block + ".")]
-    return max(inside, key=len) if inside else None
 
 
 class _Ref:
@@ -149,7 +136,6 @@ class SegmentPlan:
 
     steps: list[Step]
     whole_because: str = ""
-    cut_at: str = "its collectives"  # where the segments end
 
     @property
     def segments(self) -> list[Segment]:
@@ -159,7 +145,7 @@ class SegmentPlan:
         """One line for the report."""
         if self.whole_because:
             return f"compiled whole ({self.whole_because})"
-        return (f"compiled in {len(self.segments)} segments between {self.cut_at}, {self.distinct} distinct "
+        return (f"compiled in {len(self.segments)} segments between its collectives, {self.distinct} distinct "
                 f"(each compiled once)")
 
     @property
@@ -168,9 +154,8 @@ class SegmentPlan:
         return len({s.key for s in self.segments})
 
 
-def plan_segments(gm: fx.GraphModule, blocks: Sequence[str] = ()) -> SegmentPlan:
-    """Whether and how to compile ``gm`` a segment at a time: cut at its collectives; where too little repeats so,
-    also between the repeated ``blocks`` (module names; stage 0's forward has no collective between its blocks)."""
+def plan_segments(gm: fx.GraphModule) -> SegmentPlan:
+    """Whether and how to compile ``gm`` a segment at a time."""
     if any(node.op == "get_attr" for node in gm.graph.nodes):
         return SegmentPlan([], "it reads constants of its module")
     values = [node.meta.get("val") for node in gm.graph.nodes if node.op != "output"]
@@ -178,22 +163,15 @@ def plan_segments(gm: fx.GraphModule, blocks: Sequence[str] = ()) -> SegmentPlan
         return SegmentPlan([], "a node has no example value")
     if any(_is_symbolic(value) for value in values):
         return SegmentPlan([], "its shapes are symbolic")
-    plan = _repeating(split_at_collectives(gm.graph), "its collectives")
-    if plan.whole_because and blocks:
-        return _repeating(split_at_collectives(gm.graph, blocks), "its collectives and blocks")
-    return plan
-
-
-def _repeating(steps: list[Step], cut_at: str) -> SegmentPlan:
-    """``steps`` as a plan where enough of their segments repeat (``MOST_DISTINCT``), else the reason not."""
+    steps = split_at_collectives(gm.graph)
     segments = [step for step in steps if isinstance(step, Segment)]
     distinct = len({s.key for s in segments})
     if distinct > len(segments) * MOST_DISTINCT:
-        return SegmentPlan([], f"{distinct} of the {len(segments)} segments between {cut_at} differ: too few "
-                               "repeat to pay for the cuts", cut_at)
+        return SegmentPlan([], f"{distinct} of the {len(segments)} segments between its collectives differ: too few "
+                               "repeat to pay for the cuts")
     if any(not isinstance(node.meta["val"], torch.Tensor) for s in segments for node in s.inputs):
-        return SegmentPlan([], "a segment reads a value that is not a tensor", cut_at)
-    return SegmentPlan(steps, cut_at=cut_at)
+        return SegmentPlan([], "a segment reads a value that is not a tensor")
+    return SegmentPlan(steps)
 
 
 def _is_symbolic(value) -> bool:
