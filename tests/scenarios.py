@@ -60,10 +60,10 @@ class ResidualBlock(torch.nn.Module):
 
 
 class ResidualStack(torch.nn.Module):
-    """Sixteen identical residual blocks before an output layer: small, and repeated enough that most of the
+    """Thirty-two identical residual blocks before an output layer: small, and repeated enough that most of the
     segments of a stage-3 graph repeat (``fxshard.compiler.segments``)."""
 
-    def __init__(self, width: int = 8, depth: int = 16):
+    def __init__(self, width: int = 8, depth: int = 32):
         super().__init__()
         self.blocks = torch.nn.ModuleList(ResidualBlock(width) for _ in range(depth))
         self.head = torch.nn.Linear(width, 5)

@@ -100,7 +100,7 @@ def test_inductor_compiles_int8_packing_and_trains_as_the_graphs_run_op_by_op(po
 
 
 def test_inductor_compiles_each_repeated_segment_once_and_trains_like_a_single_process(pools):
-    # Sixteen identical residual blocks at stage 3: the compute between one block's collectives and the next's repeats,
+    # Thirty-two identical residual blocks at stage 3: the compute between one block's collectives and the next's repeats,
     # so each graph runs as segments between its collectives, a repeated segment compiled once
     pool = pools(2)
     regional = pool.run(scenarios.train_against_reference, "mlp_stack", "sgd", STEPS, compiler="inductor")

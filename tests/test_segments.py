@@ -19,7 +19,8 @@ from fxshard.torch_compat import boxed_freeing_inputs
 from fxshard.simulate.simulator import module_of
 from test_graphs import compile_and_step, final_graphs
 
-CONFIG = GPTConfig(n_layer=8)
+CONFIG = GPTConfig(n_layer=24)  # deep enough that three quarters of the segments repeat (MOST_DISTINCT)
+SHALLOW = GPTConfig(n_layer=4)
 
 
 def gpt_graphs(stage: int = 3) -> dict:
@@ -55,7 +56,7 @@ def test_segmented_graph_computes_what_the_whole_graph_computes():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        backend = compile_and_step(GPT(CONFIG), *gpt_batch(CONFIG, 2, torch.Generator().manual_seed(0)))
+        backend = compile_and_step(GPT(SHALLOW), *gpt_batch(SHALLOW, 2, torch.Generator().manual_seed(0)))
         forward = final_graphs(backend)["forward"]
         plan = SegmentPlan(split_at_collectives(forward.graph))  # cut wherever it can be, whatever repeats
         compiles = []
@@ -67,7 +68,7 @@ def test_segmented_graph_computes_what_the_whole_graph_computes():
         run = segmented_callable(forward, plan, compile_segment)
         assert len(compiles) == plan.distinct
         inputs = [torch.randn(p.meta["val"].shape, dtype=p.meta["val"].dtype) if p.meta["val"].is_floating_point()
-                  else torch.randint(0, CONFIG.vocab_size, p.meta["val"].shape)
+                  else torch.randint(0, SHALLOW.vocab_size, p.meta["val"].shape)
                   for p in forward.graph.find_nodes(op="placeholder")]
         boxed = list(inputs)
         got = run(boxed)
