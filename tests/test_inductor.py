@@ -100,19 +100,10 @@ def test_inductor_compiles_int8_packing_and_trains_as_the_graphs_run_op_by_op(po
 
 
 def test_inductor_compiles_each_repeated_segment_once_and_trains_like_a_single_process(pools):
-    # Thirty-two identical residual blocks at stage 3: the compute between one block's collectives and the next's repeats,
-    # so each graph runs as segments between its collectives, a repeated segment compiled once
-    pool = pools(2)
-    regional = pool.run(scenarios.train_against_reference, "mlp_stack", "sgd", STEPS, compiler="inductor")
-    whole = pool.run(scenarios.train_against_reference, "mlp_stack", "sgd", STEPS, compiler="inductor",
-                     regional=False)
-    for segmented, compiled_whole in zip(regional, whole, strict=True):
-        assert_matches_reference(segmented, "sgd")
+    # Thirty-two identical residual blocks at stage 3: the compute between one block's collectives and the next's
+    # repeats, so each graph runs as segments between its collectives, a repeated segment compiled once
+    for result in pools(2).run(scenarios.train_against_reference, "mlp_stack", "sgd", STEPS, compiler="inductor"):
+        assert_matches_reference(result, "sgd")
         for kind in ("forward", "backward"):
-            segments, distinct = segmented["segments"][kind]
-            assert 0 < distinct < segments, kind
-            assert compiled_whole["segments"][kind] == (0, 0), kind
-        # the same training as the graph compiled whole
-        for name, value in compiled_whole["final"].items():
-            torch.testing.assert_close(segmented["final"][name], value, rtol=1e-5, atol=1e-6)
-
+            segments, distinct = result["segments"][kind]
+            assert 0 < distinct < segments / 4, kind

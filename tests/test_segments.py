@@ -4,7 +4,7 @@ collectives, which segments are one compile, and the runner that calls them (a f
 import torch
 import torch.distributed as dist
 
-import fxshard
+import scenarios
 from examples.models import GPT, GPTConfig, gpt_batch
 from fxshard.compiler.segments import (
     Segment,
@@ -14,24 +14,24 @@ from fxshard.compiler.segments import (
     segmented_callable,
     split_at_collectives,
 )
+from fxshard.simulate.simulator import module_of
 from fxshard.testing import fake_process_group
 from fxshard.torch_compat import boxed_freeing_inputs
-from fxshard.simulate.simulator import module_of
 from test_graphs import compile_and_step, final_graphs
 
-CONFIG = GPTConfig(n_layer=24)  # deep enough that three quarters of the segments repeat (MOST_DISTINCT)
 SHALLOW = GPTConfig(n_layer=4)
 
 
-def gpt_graphs(stage: int = 3) -> dict:
+def stack_graphs() -> dict:
+    """The final graphs of the 32 residual blocks at stage 3: deep enough that three quarters of the segments
+    repeat (``MOST_DISTINCT``)."""
     with fake_process_group(2):
         torch.manual_seed(0)
-        return final_graphs(compile_and_step(GPT(CONFIG), *gpt_batch(CONFIG, 2, torch.Generator().manual_seed(0)),
-                                             stage=stage))
+        return final_graphs(compile_and_step(scenarios.build_model("mlp_stack"), torch.randn(4, 8)))
 
 
-def test_a_stage_3_gpt_runs_as_segments_between_collectives_and_its_middle_blocks_share_one():
-    for kind, gm in gpt_graphs().items():
+def test_stage_3_graphs_run_as_segments_between_collectives_and_the_middle_blocks_share_them():
+    for kind, gm in stack_graphs().items():
         plan = plan_segments(gm)
         assert not plan.whole_because, kind
         # every call node in exactly one step, in graph order; between segments only collectives and waits
