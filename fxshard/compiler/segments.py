@@ -28,8 +28,8 @@ from fxshard.torch_compat import taking_boxed_inputs, tree_map
 
 # A graph is cut only where at least three quarters of its segments reuse another's compile: each cut costs the
 # fusion Inductor would make across it. Measured on the benchmark GPT (2 gloo ranks): width 256, 8 blocks (7 and 15
-# distinct of 19 and 36 segments) a step 5% slower, 4 blocks 6%, for a few seconds of compile saved; width 64, 24 and
-# 48 blocks (7 and 15 of 51 and 100, of 99 and 196) the step unchanged and the first step 1.4-1.6x faster.
+# distinct of 19 and 36 segments) a step 5% slower, 4 blocks 6%, for a few seconds of compile saved; 24 blocks (7
+# and 15 of 51 and 100) the step unchanged at widths 64 and 256, the first step 1.4-2x faster; 48 blocks alike.
 MOST_DISTINCT = 0.25
 
 CompileSegment = Callable[[fx.GraphModule, list], Callable]  # (segment module, example inputs) -> boxed callable
