@@ -65,7 +65,10 @@ def _as_dtensor(local: torch.Tensor, spec: ShardSpec) -> DTensor:
     if tp is not None:
         return DTensor.from_local(local, tp.sharded_mesh, tp.sharded_placements, run_check=False, shape=tp.shape,
                                   stride=tp.stride)
-    return DTensor.from_local(local, mesh_of(spec, local.device.type), [Shard(0)], run_check=False,
+    # A model that stays on the meta device (fxshard.predict) gets a CPU mesh, as FSDP2 puts meta local tensors on
+    # a mesh of a real device: from torch 2.15 DTensor's sharding propagation asks a meta mesh for its device count.
+    device_type = "cpu" if local.device.type == "meta" else local.device.type
+    return DTensor.from_local(local, mesh_of(spec, device_type), [Shard(0)], run_check=False,
                               shape=torch.Size(spec.full_shape), stride=_contiguous_strides(spec.full_shape))
 
 
