@@ -121,19 +121,20 @@ class _MissingValues(FakeTensorProp):
         stale = kept is None or any(i in self._changed for i in node.all_input_nodes)
         if node.op in ("placeholder", "output") or stale:
             value = super().run_node(node)
-            if node.op != "output" and (kept is None or _layout(kept) != _layout(node.meta.get("val"))):
+            if node.op != "output" and (kept is None or value_layout(kept) != value_layout(node.meta.get("val"))):
                 self._changed.add(node)
             return value
         return kept
 
 
-def _layout(value):
-    """What a fake value's readers depend on, as text (comparing symbolic sizes themselves would add guards)."""
+def value_layout(value):
+    """What a value's readers depend on: each tensor's shape, strides, storage offset, dtype and device (sizes as
+    text: comparing symbolic sizes themselves would add guards); any other value as text."""
     if isinstance(value, torch.Tensor):
         return (tuple(map(str, value.shape)), tuple(map(str, value.stride())), str(value.storage_offset()),
                 value.dtype, value.device)
     if isinstance(value, (list, tuple)):
-        return tuple(_layout(v) for v in value)
+        return tuple(value_layout(v) for v in value)
     return str(value)
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from fxshard.passes.fx_utils import value_layout
 from fxshard.runtime.collectives import WAIT, is_any_collective
 from fxshard.torch_compat import taking_boxed_inputs, tree_map
 
@@ -100,12 +101,6 @@ class _Ref:
         return self.place
 
 
-def _value_key(value):
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device)
-    return (type(value).__name__, value)
-
-
 def segment_key(segment: Segment) -> tuple:
     """What two segments share when one compiled function computes both: each node's op and arguments by place,
     the inputs' shapes, strides, dtypes and devices, and which nodes are outputs."""
@@ -113,7 +108,7 @@ def segment_key(segment: Segment) -> tuple:
     places.update({node: _Ref(f"n{i}") for i, node in enumerate(segment.nodes)})
     ops = tuple((str(node.target), repr(fx.node.map_arg((node.args, node.kwargs), places.__getitem__)))
                 for node in segment.nodes)
-    inputs = tuple(_value_key(node.meta.get("val")) for node in segment.inputs)
+    inputs = tuple(value_layout(node.meta.get("val")) for node in segment.inputs)
     return ops, inputs, tuple(repr(places[node]) for node in segment.outputs)
 
 
@@ -190,6 +185,11 @@ class _Slot:
         self.index = index
 
 
+def _filled(structure, values: list):
+    """``structure`` with each ``_Slot`` replaced by the value it names."""
+    return tree_map(lambda a: values[a.index] if isinstance(a, _Slot) else a, structure)
+
+
 def _eager_step(node: fx.Node, reads: list[fx.Node]) -> Callable[[list], tuple]:
     """``node`` run eagerly on the values it reads (in the order of ``reads``)."""
     where = {read: _Slot(i) for i, read in enumerate(reads)}
@@ -197,10 +197,7 @@ def _eager_step(node: fx.Node, reads: list[fx.Node]) -> Callable[[list], tuple]:
     target = node.target
 
     def run(values: list) -> tuple:
-        def fill(a):
-            return values[a.index] if isinstance(a, _Slot) else a
-
-        return (target(*tree_map(fill, args), **tree_map(fill, kwargs)),)
+        return (target(*_filled(args, values), **_filled(kwargs, values)),)
 
     return run
 
@@ -245,6 +242,6 @@ def segmented_callable(gm: fx.GraphModule, plan: SegmentPlan, compile_segment: C
                 values[s] = None
             for s, value in zip(writes, fn(inputs)):
                 values[s] = value
-        return tree_map(lambda a: values[a.index] if isinstance(a, _Slot) else a, result)
+        return _filled(result, values)
 
     return taking_boxed_inputs(run)
