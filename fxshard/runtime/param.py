@@ -31,13 +31,14 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .sharding import ShardSpec
+from .sharding import MarkerLayout, ShardSpec
 from .step_clock import StepClock
 
 # leaf, master, flat or replaced parameter -> a weak reference to its record (a record refers to its tensors: held
 # strongly, a value would keep its own key alive)
 _RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _MODULE_RECORD = "_fxshard"  # the module __dict__ key of its ModuleRecord
+RESIDENT_BUFFER = "_fxshard_full_"  # buffer name prefix of a stage-2 parameter's resident full copy
 
 
 @dataclasses.dataclass
@@ -89,15 +90,48 @@ class PreparedParam:
         return tensor is self.leaf or tensor is self.master or tensor is self.flat
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ParamRead:
+    """What a module's accessor reads for one parameter, worked out once by ``prepare``: Dynamo traces each Python
+    step of an accessor and guards on each value it reads, for every parameter of the model, so the accessor looks
+    up these fields and nothing else (``fxshard.runtime.prepare``)."""
+
+    leaf: nn.Parameter  # the parameter the module must still hold (else it was replaced after prepare)
+    shard: torch.Tensor | None  # what the marker reads: the flat shard (stages 2, 3), the leaf (stage 0); None: no marker
+    resident: str | None  # stage 2: the name of the module's buffer holding the resident full copy
+    marker: tuple  # the marker's arguments after its two tensors (``ShardSpec.marker_arguments``)
+    kept_local: tuple | None  # stage 0: the same arguments under ``no_sync`` (the gradient stays on this rank)
+    grad_sync: GradSync | None  # stage 0: the model's, whose ``enabled`` picks between the two
+    tensor_parallel: object  # the spec's ``TensorParallel`` layout, or None
+
+
 @dataclasses.dataclass(eq=False)
 class ModuleRecord:
     """What prepare keeps on a module that owns parameters: its qualified name in the prepared model (``path``), the
-    record of each parameter it owns, by attribute name (a tied parameter's record is its owners' alike), and its
-    model's GradSync."""
+    record of each parameter it owns, by attribute name (a tied parameter's record is its owners' alike), its
+    model's GradSync, and what its accessors read (``reads``, by attribute name)."""
 
     path: str
     params: dict[str, PreparedParam]
     grad_sync: GradSync
+    reads: dict[str, ParamRead] = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.reads = {name: self._read(name, record) for name, record in self.params.items()}
+
+    def _read(self, name: str, record: PreparedParam) -> ParamRead:
+        spec = record.spec
+        fqn = f"{self.path}.{name}" if self.path else name
+        stage_0 = spec.stage == 0
+        return ParamRead(
+            leaf=record.leaf,
+            shard=None if spec.stage == 1 else record.leaf if record.flat is None else record.flat,
+            resident=f"{RESIDENT_BUFFER}{name}" if spec.stage == 2 else None,
+            marker=spec.marker_arguments(fqn),
+            kept_local=spec.marker_arguments(fqn, MarkerLayout.KEPT_LOCAL) if stage_0 else None,
+            grad_sync=self.grad_sync if stage_0 else None,
+            tensor_parallel=spec.tensor_parallel,
+        )
 
 
 def register(record: PreparedParam) -> PreparedParam:

@@ -50,8 +50,9 @@ from .layout import (
     unsharded_value,
 )
 from .materialise import InitFn, born_on_meta, default_device, materialise_unit_by_unit, share_random_state
-from .ops import unshard
+from .ops import UNSHARD
 from .param import (
+    RESIDENT_BUFFER,
     GradSync,
     ModuleRecord,
     PreparedParam,
@@ -63,7 +64,7 @@ from .param import (
     register_replaced,
     spec_of,
 )
-from .sharding import MarkerLayout, ShardSpec, layout_stage, shard_of
+from .sharding import ShardSpec, layout_stage, shard_of
 from .step_clock import StepClock
 from .tensor_parallel import (
     TensorParallel,
@@ -75,7 +76,6 @@ from .tensor_parallel import (
     tensor_parallel_layouts,
 )
 
-_RESIDENT = "_fxshard_full_"  # buffer name prefix of a stage-2 parameter's resident full copy
 _UNITS = "_fxshard_units"  # the prepared model's attribute, born on meta: {unit: parameter elements materialised}
 
 
@@ -106,32 +106,29 @@ def is_prepared(model: nn.Module) -> bool:
 
 
 def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
+    read = module_record(module).reads[name]
     local = own_parameters(module)[name]
-    laid_out = module_record(module)
-    record = laid_out.params[name]
-    spec = record.spec
-    if local is not record.leaf:
+    if local is not read.leaf:
         if not torch.compiler.is_compiling():
+            spec = module_record(module).params[name].spec
             raise FxShardError(
                 f"{spec.name} was replaced after prepare (it now has shape "
                 f"{None if local is None else list(local.shape)}, prepare left {list(spec.leaf_shape)}); "
                 "change the model before backend.prepare(model, optimizer), or prepare the changed model anew"
             )
         return local  # Dynamo cannot trace a raise: the backend refuses the parameter it did not lay out, by name
-    if spec.stage == 1:  # read directly: an accessor only wraps a tensor-parallel piece
+    resident = own_buffers(module).get(read.resident)  # (read before the flat shard: the graph's input order)
+    if read.shard is None:  # stage 1 reads it directly: an accessor only wraps a tensor-parallel piece
         full = local
     else:
-        fqn = f"{laid_out.path}.{name}" if laid_out.path else name
-        resident = own_buffers(module).get(_RESIDENT + name)  # (read before the flat shard: the graph's input order)
-        read = local if record.flat is None else record.flat  # what the collectives move: stages 2, 3's flat shard
-        if read is not local and not local.requires_grad:  # frozen after prepare: its flat shard gets no gradient
-            read = read.detach()
-        layout = spec.marker_layout
-        if spec.stage == 0 and not laid_out.grad_sync.enabled:  # Dynamo guards on it: a graph per setting
-            layout = MarkerLayout.KEPT_LOCAL
-        full = unshard(read, resident, list(spec.full_shape), spec.world_size, spec.group_name, fqn, layout.value,
-                       spec.param_dtype, spec.reduce_dtype, spec.replicate_size, spec.replicate_group_name)
-    return full if spec.tensor_parallel is None else as_tensor_parallel(full, spec.tensor_parallel)
+        shard = read.shard
+        if shard is not local and not local.requires_grad:  # frozen after prepare: its flat shard gets no gradient
+            shard = shard.detach()
+        marker = read.marker
+        if read.grad_sync is not None and not read.grad_sync.enabled:  # Dynamo guards on it: a graph per setting
+            marker = read.kept_local
+        full = UNSHARD(shard, resident, *marker)
+    return full if read.tensor_parallel is None else as_tensor_parallel(full, read.tensor_parallel)
 
 
 @functools.cache
@@ -185,7 +182,7 @@ def _load_state_dict_shard(module, state_dict, prefix, *args):
         with torch.no_grad():
             if spec.trains_shard:
                 shard = shard_from_value(value, spec, param.dtype, key)
-                resident = own_buffers(module).get(_RESIDENT + name)
+                resident = own_buffers(module).get(RESIDENT_BUFFER + name)
                 if resident is not None:  # a full tensor is copied as it is; a DTensor's rows are gathered
                     full = (gather_full(shard, spec, resident.dtype) if isinstance(value, DTensor)
                             else full_from_value(value, spec, key))
@@ -417,7 +414,7 @@ def shard_parameters(
             continue  # no marker: the parameters stay the leaves, read directly
         for name, param in owned.items():
             if stage == 2:
-                module.register_buffer(_RESIDENT + name, records[id(param)].resident, persistent=False)
+                module.register_buffer(RESIDENT_BUFFER + name, records[id(param)].resident, persistent=False)
         module.__class__ = _accessor_class(type(module), tuple(owned))
     if param_dtype is not None:
         model.__class__ = _casting_inputs_class(type(model), param_dtype)

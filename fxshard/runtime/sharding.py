@@ -119,6 +119,12 @@ class ShardSpec:
         stages 0 and 1, its local piece's)."""
         return self.global_shape if self.trains_shard else self.full_shape
 
+    def marker_arguments(self, fqn: str, layout: MarkerLayout | None = None) -> tuple:
+        """The ``fxshard.unshard`` arguments after its tensors, for a use of the parameter at ``fqn`` (``layout``:
+        the spec's own unless given)."""
+        return (list(self.full_shape), self.world_size, self.group_name, fqn, (layout or self.marker_layout).value,
+                self.param_dtype, self.reduce_dtype, self.replicate_size, self.replicate_group_name)
+
     @property
     def marker_layout(self) -> MarkerLayout:
         """The layout its markers carry: gathered per use (stage 3), resident (stage 2), the full parameter with
