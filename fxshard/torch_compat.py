@@ -34,13 +34,14 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._logging._internal import register_log, trace_log, trace_structured
 from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental import symbolic_shapes
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
     "after_grad_scaler_inf_check", "aot_module_simplified", "boxed_freeing_inputs", "c10d_functional",
     "child_modules", "concatenate_meshes", "ConstantSource", "dcp_flat_keys", "default_store", "detect_fake_mode",
-    "fake_store", "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS", "gloo_threads", "gloo_with_options",
+    "FakeTensor", "fake_store", "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS", "gloo_threads", "gloo_with_options",
     "graph_root", "inductor_backward", "inductor_compiler_config", "inductor_decompositions", "inductor_forward",
     "inductor_partition", "inductor_segment", "inductor_virtualized", "intercept_conversions",
     "is_backend_registered", "is_persistent_buffer", "lazy_graph_module", "LocalSource",

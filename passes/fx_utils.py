@@ -10,7 +10,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxshard.runtime.collectives import WAIT
 from fxshard.runtime.sharding import MarkerLayout
-from fxshard.torch_compat import OpOverload, detect_fake_mode, op_arguments, traced_size
+from fxshard.torch_compat import FakeTensor, OpOverload, detect_fake_mode, op_arguments, traced_size, tree_flatten
 
 
 
@@ -94,6 +94,27 @@ def marker_layout(node: fx.Node) -> MarkerLayout:
 def fxshard_meta(node: fx.Node) -> dict:
     """The node's ``meta["fxshard"]`` record, created empty if missing."""
     return node.meta.setdefault("fxshard", {})
+
+
+def computed_value(target, args: tuple):
+    """What ``target(*args)`` gives on the ``meta["val"]`` of the nodes among ``args`` (fake or meta tensors, whose
+    mode runs the op): the value a pass gives a node it inserts, computed there rather than by a propagation over the
+    whole graph (``refresh_fake_values``)."""
+    values = fx.node.map_arg(args, lambda node: node.meta["val"])
+    fake_mode = next((v.fake_mode for v in tree_flatten(values)[0] if isinstance(v, FakeTensor)), None)
+    if fake_mode is None:  # meta tensors (``quantize.packing_nodes``)
+        return target(*values)
+    with fake_mode:  # dispatched by the mode on the stack: faster than through each fake argument
+        return target(*values)
+
+
+def replace_value(old: fx.Node, new: fx.Node) -> None:
+    """Make every reader of ``old`` read ``new`` instead; where ``new``'s value is laid out otherwise (shape,
+    strides, offset, dtype), each reader drops its ``meta["val"]`` for ``refresh_fake_values`` to recompute."""
+    if value_layout(old.meta.get("val")) != value_layout(new.meta.get("val")):
+        for reader in old.users:
+            reader.meta.pop("val", None)
+    old.replace_all_uses_with(new)
 
 
 def refresh_fake_values(gm: fx.GraphModule) -> None:

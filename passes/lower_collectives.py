@@ -34,7 +34,9 @@ chose for the stage), not from the stage itself:
 
 A unit is ``meta["fxshard"]["bucket"]`` of the marker if a pass before set it, else the module that uses the
 parameter. Every inserted node records ``meta["fxshard"] = {"unit", "role", "params"}`` and carries
-``meta["val"]``. The joint graph and the Dynamo-level optimizer graph are returned unchanged.
+``meta["val"]``, computed where it is inserted (``computed_value``; the closing ``refresh_fake_values`` recomputes
+only readers of a marker whose replacement is laid out otherwise). The joint graph and the Dynamo-level optimizer
+graph are returned unchanged.
 """
 
 from __future__ import annotations
@@ -52,7 +54,15 @@ from fxshard.runtime.sharding import unit_of
 from fxshard.torch_compat import c10d_functional
 
 from .context import PassContext
-from .fx_utils import fxshard_meta, marker_args, marker_layout, position, refresh_fake_values
+from .fx_utils import (
+    computed_value,
+    fxshard_meta,
+    marker_args,
+    marker_layout,
+    position,
+    refresh_fake_values,
+    replace_value,
+)
 from .quantize import QuantizedNodes, packing_saves, wire_elements
 
 aten = torch.ops.aten
@@ -81,25 +91,22 @@ class _Emitter:
             name = f"{role}_{self.unit}"
         name = name and name.replace(".", "_")
         node = self.graph.create_node("call_function", target, args, name=name)
+        node.meta["val"] = computed_value(target, args)
         fxshard_meta(node).update(unit=self.unit, role=role, params=self.params)
         return node
 
 
 def _replace_marker(graph: fx.Graph, marker: fx.Node, value: fx.Node) -> None:
     value.meta.update({k: v for k, v in marker.meta.items() if k == "recompute"})
-    marker.replace_all_uses_with(value)
+    replace_value(marker, value)
     graph.erase_node(marker)
 
 
-def _cast(emit: _Emitter, value: fx.Node, dtype: torch.dtype | None, current: torch.dtype | None = None) -> fx.Node:
-    """``value`` (whose dtype is ``current``, or its ``meta["val"]``'s) in ``dtype`` (mixed precision), or ``value``
-    itself when no cast is needed."""
-    if dtype is None or (current or value.meta["val"].dtype) == dtype:
+def _cast(emit: _Emitter, value: fx.Node, dtype: torch.dtype | None) -> fx.Node:
+    """``value`` in ``dtype`` (mixed precision), or ``value`` itself when no cast is needed."""
+    if dtype is None or value.meta["val"].dtype == dtype:
         return value
-    cast = emit("cast", prims.convert_element_type.default, value, dtype)
-    if "val" in value.meta:  # later lowering steps read the cast value's layout
-        cast.meta["val"] = value.meta["val"].to(dtype)
-    return cast
+    return emit("cast", prims.convert_element_type.default, value, dtype)
 
 
 def _read_full(graph: fx.Graph, marker: fx.Node) -> None:
@@ -229,8 +236,7 @@ def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], by_all_to_all:
         fxshard_meta(received).update(quantized=quantized.scheme, block=quantized.block, row=shape[1])
         received = emit("wait", c10d.wait_tensor.default, received)
         summed = emit("copy_out", aten.sum.dim_IntList, quantized.unpack(received, shape, torch.float32), [0])
-        reduced = _cast(emit, emit("copy_out", aten.div.Tensor, summed, world), _reduce_dtype(markers[0]),
-                        torch.float32)
+        reduced = _cast(emit, emit("copy_out", aten.div.Tensor, summed, world), _reduce_dtype(markers[0]))
     elif by_all_to_all:
         slices = [sum(chunks)] * world
         received = emit("reduce_scatter", c10d.all_to_all_single.default, buffer, slices, slices, group_name)
@@ -247,11 +253,11 @@ def _lower_reduce_scatter(emit: _Emitter, markers: list[fx.Node], by_all_to_all:
         fxshard_meta(reduced).update(across="replicate", ranks=marker_args(markers[0])["replicate_size"])
         reduced = emit("wait", c10d.wait_tensor.default, reduced, name=f"wait_replicas_{emit.unit}")
     if len(markers) == 1:
-        return [_cast(emit, reduced, markers[0].meta["val"].dtype, _reduce_dtype(markers[0]))]
+        return [_cast(emit, reduced, markers[0].meta["val"].dtype)]
     split = emit("copy_out", aten.split_with_sizes.default, reduced, chunks)
     grads = [emit("copy_out", operator.getitem, split, i, name=f"{marker_args(m)['fqn']}_grad")
              for i, m in enumerate(markers)]
-    return [_cast(emit, grad, m.meta["val"].dtype, _reduce_dtype(m)) for grad, m in zip(grads, markers)]
+    return [_cast(emit, grad, m.meta["val"].dtype) for grad, m in zip(grads, markers)]
 
 
 def _lower_all_reduce(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Node]:
@@ -266,7 +272,7 @@ def _lower_all_reduce(emit: _Emitter, markers: list[fx.Node]) -> list[fx.Node]:
              list(m.meta["val"].shape), name=f"{marker_args(m)['fqn']}_grad")
         for i, m in enumerate(markers)
     ]
-    return [_cast(emit, grad, m.meta["val"].dtype, _reduce_dtype(m)) for grad, m in zip(grads, markers)]
+    return [_cast(emit, grad, m.meta["val"].dtype) for grad, m in zip(grads, markers)]
 
 
 def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassContext) -> None:
@@ -284,7 +290,7 @@ def _lower_reduce(graph: fx.Graph, unit: str, markers: list[fx.Node], ctx: PassC
     with graph.inserting_before(markers[-1]):
         reduced = lower(emit, markers)
     for marker, grad in zip(markers, reduced):
-        marker.replace_all_uses_with(grad)
+        replace_value(marker, grad)
         graph.erase_node(marker)
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from .fx_utils import computed_value
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -160,7 +162,7 @@ def packing_nodes(scheme: str, block: int, rows: int, elements: int, received_ro
 
     def emit(role, target, *args, name=None):
         node = graph.call_function(target, args)
-        node.meta["val"] = target(*fx.node.map_arg(args, lambda arg: arg.meta["val"]))
+        node.meta["val"] = computed_value(target, args)
         node.meta["fxshard"] = {"role": role}
         return node
 

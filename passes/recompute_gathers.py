@@ -32,7 +32,7 @@ from fxshard.runtime.ops import UNSHARD
 from fxshard.runtime.sharding import MarkerLayout
 
 from .context import PassContext
-from .fx_utils import fxshard_meta, is_view, marker_args, marker_layout
+from .fx_utils import computed_value, fxshard_meta, is_view, marker_args, marker_layout
 
 aten = torch.ops.aten
 
@@ -65,7 +65,7 @@ def _emit_after(graph: fx.Graph, anchor: fx.Node, target, *args, name: str | Non
     """``target(*args)`` inserted after ``anchor``, its ``meta["val"]`` computed from its inputs' fake values."""
     with graph.inserting_after(anchor):
         node = graph.create_node("call_function", target, args, name=name)
-    node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
+    node.meta["val"] = computed_value(target, args)
     return node
 
 
