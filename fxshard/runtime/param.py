@@ -97,7 +97,7 @@ class ParamRead:
     up these fields and nothing else (``fxshard.runtime.prepare``)."""
 
     leaf: nn.Parameter  # the parameter the module must still hold (else it was replaced after prepare)
-    shard: torch.Tensor | None  # what the marker reads: the flat shard (stages 2, 3), the leaf (stage 0); None: no marker
+    shard: torch.Tensor | None  # what the marker reads: the flat shard (stages 2, 3), the leaf (stage 0); None: none
     resident: str | None  # stage 2: the name of the module's buffer holding the resident full copy
     marker: tuple  # the marker's arguments after its two tensors (``ShardSpec.marker_arguments``)
     kept_local: tuple | None  # stage 0: the same arguments under ``no_sync`` (the gradient stays on this rank)
