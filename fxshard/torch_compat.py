@@ -41,7 +41,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 __all__ = [
     "after_grad_scaler_inf_check", "aot_module_simplified", "boxed_freeing_inputs", "c10d_functional",
     "child_modules", "concatenate_meshes", "ConstantSource", "dcp_flat_keys", "default_store", "detect_fake_mode",
-    "FakeTensor", "fake_store", "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS", "gloo_threads", "gloo_with_options",
+    "FakeTensor", "fake_store", "flatten_optimizer_state_dict", "FLOPS_COUNTED_AS", "gloo_threads",
+    "gloo_with_options",
     "graph_root", "inductor_backward", "inductor_compiler_config", "inductor_decompositions", "inductor_forward",
     "inductor_partition", "inductor_segment", "inductor_virtualized", "intercept_conversions",
     "is_backend_registered", "is_persistent_buffer", "lazy_graph_module", "LocalSource",

@@ -12,11 +12,14 @@ def _scaled_sums(x):
     return (x * 2).sum(0), x + 1
 
 
+def _fake_traced(fn, *shape):
+    gm = fx.symbolic_trace(fn)
+    FakeTensorProp(gm, mode=FakeTensorMode()).propagate(torch.randn(*shape))
+    return gm, [n for n in gm.graph.nodes if n.op != "output"]
+
+
 def test_refresh_fake_values_computes_new_nodes_and_readers_of_a_changed_layout_and_keeps_the_rest():
-    gm = fx.symbolic_trace(_scaled_sums)
-    mode = FakeTensorMode()
-    FakeTensorProp(gm, mode=mode).propagate(torch.randn(4, 6))
-    x, mul, total, plus = (n for n in gm.graph.nodes if n.op != "output")
+    gm, (x, mul, total, plus) = _fake_traced(_scaled_sums, 4, 6)
     kept = plus.meta["val"]
     with gm.graph.inserting_after(x):  # a new node, and mul rewired to read it
         transposed = gm.graph.call_function(torch.t, (x,))
@@ -30,16 +33,9 @@ def test_refresh_fake_values_computes_new_nodes_and_readers_of_a_changed_layout_
     assert plus.meta["val"] is kept  # untouched
 
 
-
 def _doubled_twice_read(x):
     doubled = x * 2
     return doubled.sum(0), doubled + 1
-
-
-def _fake_traced(fn, *shape):
-    gm = fx.symbolic_trace(fn)
-    FakeTensorProp(gm, mode=FakeTensorMode()).propagate(torch.randn(*shape))
-    return gm, [n for n in gm.graph.nodes if n.op != "output"]
 
 
 def _inserted_after(gm, anchor, target, *args):

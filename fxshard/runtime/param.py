@@ -33,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .sharding import MarkerLayout, ShardSpec
 from .step_clock import StepClock
+from .tensor_parallel import TensorParallel
 
 # leaf, master, flat or replaced parameter -> a weak reference to its record (a record refers to its tensors: held
 # strongly, a value would keep its own key alive)
@@ -102,7 +103,7 @@ class ParamRead:
     marker: tuple  # the marker's arguments after its two tensors (``ShardSpec.marker_arguments``)
     kept_local: tuple | None  # stage 0: the same arguments under ``no_sync`` (the gradient stays on this rank)
     grad_sync: GradSync | None  # stage 0: the model's, whose ``enabled`` picks between the two
-    tensor_parallel: object  # the spec's ``TensorParallel`` layout, or None
+    tensor_parallel: TensorParallel | None  # the spec's: the accessor returns a DTensor over its mesh
 
 
 @dataclasses.dataclass(eq=False)

@@ -106,11 +106,12 @@ def is_prepared(model: nn.Module) -> bool:
 
 
 def _read_unsharded(module: nn.Module, name: str) -> torch.Tensor:
-    read = module_record(module).reads[name]
+    laid_out = module_record(module)
+    read = laid_out.reads[name]
     local = own_parameters(module)[name]
     if local is not read.leaf:
         if not torch.compiler.is_compiling():
-            spec = module_record(module).params[name].spec
+            spec = laid_out.params[name].spec
             raise FxShardError(
                 f"{spec.name} was replaced after prepare (it now has shape "
                 f"{None if local is None else list(local.shape)}, prepare left {list(spec.leaf_shape)}); "
